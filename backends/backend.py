@@ -1,0 +1,78 @@
+"""Runtime state of one backend, shared by the health checker and the request path."""
+
+from __future__ import annotations
+
+import enum
+
+from backends.spec import BackendSpec
+
+
+class BackendState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Backend:
+    """A backend as the gateway sees it right now.
+
+    Mutated only from the event loop: no locks needed.
+    """
+
+    __slots__ = ("flaps", "in_flight", "models", "spec", "state", "_streak")
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+        self.state = BackendState.STARTING
+        self.in_flight = 0
+        self.models: frozenset[str] = frozenset()
+        self.flaps = 0
+        self._streak = 0  # consecutive probes disagreeing with the current state
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def routable(self) -> bool:
+        return self.state is BackendState.READY
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
+    def observe_probe(self, ok: bool, fall: int, rise: int) -> bool:
+        """Apply one health-probe result; return True when the state changed.
+
+        A backend flips only after ``fall`` failures (or ``rise`` successes) in a row,
+        so one lost probe never takes it out of rotation.
+        """
+        if self.state in (BackendState.DRAINING, BackendState.STOPPED, BackendState.FAILED):
+            return False
+        if self.state is BackendState.STARTING:
+            # A fresh backend has no earlier state to protect: its first probe decides.
+            self._streak = 0
+            self.state = BackendState.READY if ok else BackendState.UNHEALTHY
+            return True
+        if ok == (self.state is BackendState.READY):
+            self._streak = 0
+            return False
+        self._streak += 1
+        if self._streak < (rise if ok else fall):
+            return False
+        self._streak = 0
+        self.flaps += 1
+        self.state = BackendState.READY if ok else BackendState.UNHEALTHY
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"<Backend {self.name} [{self.state.value} | in-flight {self.in_flight} | "
+            f"models {len(self.models)} | flaps {self.flaps}]>"
+        )

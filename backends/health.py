@@ -1,0 +1,100 @@
+"""Active health checks: probe every backend on an interval, flip state on fall/rise."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.backend import Backend
+
+log = logging.getLogger("backends.health")
+
+
+class HealthSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interval: float = Field(default=5.0, gt=0, description="seconds between probes")
+    timeout: float = Field(default=2.0, gt=0, description="seconds one probe may take")
+    fall: int = Field(default=3, ge=1, description="failed probes in a row to leave rotation")
+    rise: int = Field(default=2, ge=1, description="good probes in a row to re-enter rotation")
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    ok: bool
+    models: frozenset[str] | None = None
+
+
+Probe = Callable[[Backend], Awaitable[ProbeResult]]
+
+
+class HttpProbe:
+    """``GET /health``, then ``GET /v1/models`` to learn what the backend serves."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeout: float) -> None:
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def __call__(self, backend: Backend) -> ProbeResult:
+        headers = {}
+        if backend.spec.api_key is not None:
+            headers["Authorization"] = f"Bearer {backend.spec.api_key.get_secret_value()}"
+        try:
+            async with self._session.get(
+                backend.url + "/health", headers=headers, timeout=self._timeout
+            ) as resp:
+                if resp.status != 200:
+                    return ProbeResult(ok=False)
+            async with self._session.get(
+                backend.url + "/v1/models", headers=headers, timeout=self._timeout
+            ) as resp:
+                if resp.status != 200:
+                    return ProbeResult(ok=False)
+                payload = orjson.loads(await resp.read())
+            models = frozenset(str(m["id"]) for m in payload.get("data", []))
+            return ProbeResult(ok=True, models=models)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            return ProbeResult(ok=False)
+
+
+class HealthChecker:
+    """Runs ``probe`` against every backend each ``interval`` seconds."""
+
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        settings: HealthSettings,
+        probe: Probe,
+        on_change: Callable[[Backend], None] | None = None,
+    ) -> None:
+        self._backends = backends
+        self._settings = settings
+        self._probe = probe
+        self._on_change = on_change
+
+    async def check_all(self) -> None:
+        results = await asyncio.gather(*(self._probe(b) for b in self._backends))
+        for backend, result in zip(self._backends, results, strict=True):
+            self.apply(backend, result)
+
+    def apply(self, backend: Backend, result: ProbeResult) -> None:
+        if result.models is not None:
+            backend.models = result.models
+        before = backend.state
+        if backend.observe_probe(result.ok, self._settings.fall, self._settings.rise):
+            log.warning(
+                "backend %s: %s -> %s", backend.name, before.value, backend.state.value
+            )
+            if self._on_change is not None:
+                self._on_change(backend)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.interval)
+            await self.check_all()

@@ -1,0 +1,49 @@
+"""Simulator options, and the per-request overrides carried in the ``x-sim`` header."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+class Fault(enum.Enum):
+    NONE = "none"
+    ERROR = "500"  # HTTP 500 before any byte
+    BUSY = "busy"  # HTTP 503 with Retry-After
+    CRASH = "crash"  # drop the connection after `after` chunks
+    INBAND = "inband"  # a `data: {"error": ...}` event after `after` chunks (HTTP 200)
+    STALL = "stall"  # stop sending for `stall` seconds after `after` chunks
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    models: tuple[str, ...] = ("sim-model",)
+    ttft: float = 0.0  # seconds before the first token
+    itl: float = 0.0  # seconds between tokens
+    tokens: int = 16  # output length when the request gives no max_tokens
+    max_prompt_len: int = 0  # 0 = no limit; longer prompts get a 400
+    error_rate: float = 0.0  # fraction of requests answered with 500
+    busy_rate: float = 0.0  # fraction answered 503 + Retry-After
+    retry_after: int = 1
+    fault: Fault = Fault.NONE  # applied to every request
+    after: int = 0  # chunks before CRASH / INBAND / STALL strikes
+    stall: float = 3600.0
+    seed: int = 0
+
+    def override(self, header: str) -> SimOptions:
+        """Apply ``key=value`` pairs (comma or semicolon separated) from the x-sim header."""
+        changes: dict[str, object] = {}
+        for item in header.replace(";", ",").split(","):
+            key, _, value = item.strip().partition("=")
+            if not key:
+                continue
+            if key == "fault":
+                changes["fault"] = Fault(value)
+            elif key in ("ttft", "itl", "stall", "error_rate", "busy_rate"):
+                changes[key] = float(value)
+            elif key in ("tokens", "after", "retry_after", "max_prompt_len"):
+                changes[key] = int(value)
+            else:
+                raise ValueError(f"unknown x-sim key {key!r}")
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

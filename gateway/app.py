@@ -1,0 +1,104 @@
+"""Wires config, pool, upstream client, health checks and routes into one ASGI app.
+
+Nothing imports this module except the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backends.asgi import Receive, Scope, Send
+from backends.backend import Backend
+from backends.health import HealthChecker, HttpProbe
+from gateway.asgi import request_id, send_json
+from gateway.auth import ApiKeyAuth
+from gateway.config import Config
+from gateway.errors import error_body
+from gateway.policies import make_policy
+from gateway.pool import BackendPool
+from gateway.proxy import Proxy
+from gateway.upstream import make_upstream
+
+log = logging.getLogger("gateway")
+
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+class GatewayApp:
+    """The ASGI app. OpenAI POST routes go straight to the proxy; the rest to Starlette."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.pool = BackendPool([Backend(spec) for spec in config.backends])
+        self.upstream = make_upstream(config.upstream)
+        self.proxy = Proxy(config, self.pool, self.upstream, make_policy(config.routing.policy))
+        self._other = Starlette(
+            routes=[
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/readyz", self._readyz, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+        )
+        keys = [k.get_secret_value() for k in config.gateway.api_keys]
+        self._guarded = ApiKeyAuth(self._dispatch, keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._guarded(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in PROXIED:
+            if scope["method"] == "POST":
+                await self.proxy(scope, receive, send)
+            else:
+                body = error_body("use POST", "invalid_request_error", "method_not_allowed")
+                await send_json(send, 405, body, request_id(scope), [(b"allow", b"POST")])
+            return
+        await self._other(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if not self.config.gateway.api_keys:
+            log.warning("no [gateway] api_keys configured: the gateway is open to any client")
+        settings = self.config.health
+        async with aiohttp.ClientSession() as probe_session:
+            checker = HealthChecker(
+                self.pool.backends, settings, HttpProbe(probe_session, settings.timeout)
+            )
+            await checker.check_all()
+            log.info("backends at start: %s", ", ".join(
+                f"{b.name}={b.state.value}" for b in self.pool.backends))
+            health = asyncio.create_task(checker.run(), name="health")
+            try:
+                yield
+            finally:
+                health.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await health
+                await self.upstream.aclose()
+
+    async def _models(self, request: Request) -> Response:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "vllm-gateway"}
+            for m in self.pool.models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _readyz(self, request: Request) -> Response:
+        ready = self.pool.ready
+        return JSONResponse(
+            {"ready": ready, "backends": {b.name: b.state.value for b in self.pool.backends}},
+            status_code=200 if ready else 503,
+        )

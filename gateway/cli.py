@@ -1,0 +1,152 @@
+"""The ``vllm-gateway`` command: serve, check, sim."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from gateway.config import Config, ConfigError, load
+
+EXIT_CONFIG = 2
+
+
+class _DropExpected(logging.Filter):
+    """Keep uvicorn from printing tracebacks for connections dropped on purpose."""
+
+    def __init__(self, *kinds: type[BaseException]) -> None:
+        super().__init__()
+        self._kinds = kinds
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, self._kinds)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _load_or_exit(path: str) -> Config:
+    try:
+        return load(path)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import GatewayApp
+    from gateway.errors import StreamAborted
+
+    config = _load_or_exit(args.config)
+    _setup_logging(config.gateway.log_level)
+    logging.getLogger("uvicorn.error").addFilter(_DropExpected(StreamAborted))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            GatewayApp(config),
+            host=config.gateway.host,
+            port=config.gateway.port,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_config=None,
+            timeout_keep_alive=75,
+            backlog=4096,
+            server_header=False,
+        )
+    )
+    server.run()
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    config = _load_or_exit(args.config)
+    print(f"{args.config}: OK ({len(config.backends)} backends)")
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from backends.sim import SimApp, SimOptions
+    from backends.sim.app import DropSimulatedCrash
+    from backends.sim.options import Fault
+
+    options = SimOptions(
+        models=tuple(args.model or ["sim-model"]),
+        ttft=args.ttft,
+        itl=args.itl,
+        tokens=args.tokens,
+        max_prompt_len=args.max_prompt_len,
+        error_rate=args.error_rate,
+        busy_rate=args.busy_rate,
+        retry_after=args.retry_after,
+        fault=Fault(args.fault),
+        after=args.after,
+        stall=args.stall,
+        seed=args.seed,
+    )
+    _setup_logging(args.log_level)
+    logging.getLogger("uvicorn.error").addFilter(DropSimulatedCrash())
+    uvicorn.run(
+        SimApp(options), host=args.host, port=args.port, loop="uvloop", http="httptools",
+        access_log=False, log_config=None, backlog=4096, timeout_keep_alive=75,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-gateway",
+        description="A streaming, load-balancing OpenAI gateway in front of vLLM backends.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", default="config.toml", help="default: ./config.toml")
+    serve.set_defaults(func=_serve)
+
+    check = sub.add_parser("check", help="validate the config; exit 2 listing every problem")
+    check.add_argument("--config", default="config.toml", help="default: ./config.toml")
+    check.set_defaults(func=_check)
+
+    sim = sub.add_parser("sim", help="run the vLLM simulator")
+    sim.add_argument("--port", type=int, required=True)
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--model", action="append", help="served model name (repeatable)")
+    sim.add_argument("--ttft", type=float, default=0.0, help="seconds to the first token")
+    sim.add_argument("--itl", type=float, default=0.0, help="seconds between tokens")
+    sim.add_argument("--tokens", type=int, default=16, help="output tokens without max_tokens")
+    sim.add_argument("--max-prompt-len", type=int, default=0, help="400 above this; 0 = off")
+    sim.add_argument("--error-rate", type=float, default=0.0, help="fraction answered 500")
+    sim.add_argument("--busy-rate", type=float, default=0.0, help="fraction answered 503")
+    sim.add_argument("--retry-after", type=int, default=1, help="Retry-After of a 503, seconds")
+    sim.add_argument("--fault", default="none",
+                     choices=["none", "500", "busy", "crash", "inband", "stall"],
+                     help="a fault applied to every request (x-sim header: per request)")
+    sim.add_argument("--after", type=int, default=0, help="chunks before crash/inband/stall")
+    sim.add_argument("--stall", type=float, default=3600.0, help="seconds a stall lasts")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--log-level", default="warning")
+    sim.set_defaults(func=_sim)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""config.toml, read with tomllib and validated into frozen objects.
+
+Every problem is reported at once as ``dotted.key.path: message``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections import Counter
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from backends.health import HealthSettings
+from backends.spec import BackendSpec, Secret
+
+
+class ConfigError(Exception):
+    """The config is invalid; ``problems`` holds one ``dotted.key: message`` line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _check_listen(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be HOST:PORT")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("port must be 1-65535")
+    return value
+
+
+def _check_session_key(value: str) -> str:
+    kind, sep, name = value.partition(":")
+    if not sep or kind not in ("header", "body") or not name:
+        raise ValueError("must be 'header:NAME' or 'body:FIELD'")
+    return f"header:{name.lower()}" if kind == "header" else value
+
+
+def _check_redis_url(value: str) -> str:
+    if value != "embedded" and not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("must be 'embedded' or a redis://, rediss:// or unix:// URL")
+    return value
+
+
+Listen = Annotated[str, AfterValidator(_check_listen)]
+SessionKey = Annotated[str, AfterValidator(_check_session_key)]
+RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GatewaySection(Section):
+    listen: Listen = "127.0.0.1:8080"
+    api_keys: tuple[Secret, ...] = ()
+    admin_key: Secret | None = None
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # uvicorn alone lets a client trickle its body forever.
+    body_timeout: float = Field(default=30.0, gt=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+
+class UpstreamSection(Section):
+    client: Literal["aiohttp", "httpx"] = "aiohttp"
+    max_connections: int = Field(default=10_000, ge=1)
+    max_connections_per_backend: int = Field(default=0, ge=0, description="0 = no limit")
+    connect_timeout: float = Field(default=5.0, gt=0)
+    # A long prompt can prefill for minutes before the first byte comes back.
+    first_byte_timeout: float = Field(default=900.0, gt=0)
+    idle_timeout: float = Field(default=300.0, gt=0)
+    total_timeout: float = Field(default=3600.0, gt=0)
+    connect_attempts: int = Field(
+        default=2, ge=1, le=10, description="backends tried when a connection can't be made"
+    )
+
+
+class RedisSection(Section):
+    url: RedisUrl = "embedded"
+
+
+class RoutingSection(Section):
+    session_keys: tuple[SessionKey, ...] = ("header:x-session-id", "body:user")
+    policy: Literal["least_loaded"] = "least_loaded"
+
+
+class Config(Section):
+    gateway: GatewaySection = GatewaySection()
+    upstream: UpstreamSection = UpstreamSection()
+    redis: RedisSection = RedisSection()
+    routing: RoutingSection = RoutingSection()
+    health: HealthSettings = HealthSettings()
+    backends: tuple[BackendSpec, ...] = Field(min_length=1)
+
+
+def _message(error: Any) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    msg = str(error["msg"])
+    return msg.removeprefix("Value error, ")
+
+
+def _duplicate_names(raw: dict[str, Any]) -> list[str]:
+    backends = raw.get("backends")
+    if not isinstance(backends, list):
+        return []
+    names = [b.get("name") for b in backends if isinstance(b, dict)]
+    counts = Counter(n for n in names if isinstance(n, str))
+    problems = []
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or counts[name] < 2:
+            continue
+        if name in first:
+            problems.append(
+                f"backends.{i}.name: duplicate backend name {name!r} "
+                f"(first at backends.{first[name]})"
+            )
+        else:
+            first[name] = i
+    return problems
+
+
+def parse(raw: dict[str, Any]) -> Config:
+    problems: list[str] = []
+    config = None
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        for error in exc.errors():
+            path = ".".join(str(part) for part in error["loc"]) or "(top level)"
+            problems.append(f"{path}: {_message(error)}")
+    problems.extend(_duplicate_names(raw))
+    if problems or config is None:
+        raise ConfigError(problems)
+    return config
+
+
+def load(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: file not found"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read: {exc}"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
+    return parse(raw)

@@ -1,0 +1,81 @@
+"""The gateway's exceptions and the OpenAI error body they become."""
+
+from __future__ import annotations
+
+import orjson
+
+
+def error_body(message: str, kind: str, code: str | int | None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+def sse_error_event(message: str, kind: str, code: str | int | None) -> bytes:
+    """The one event that ends a failed stream; no ``[DONE]`` follows it."""
+    return b"data: " + error_body(message, kind, code) + b"\n\n"
+
+
+class GatewayError(Exception):
+    """An error answered to the client before any byte of a reply was sent."""
+
+    status = 500
+    kind = "server_error"
+    code = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.kind, self.code)
+
+
+class BadRequest(GatewayError):
+    status = 400
+    kind = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    kind = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    kind = "invalid_request_error"
+    code = "model_not_found"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    kind = "invalid_request_error"
+    code = "request_timeout"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    kind = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class NoBackend(GatewayError):
+    status = 503
+    kind = "service_unavailable"
+    code = "no_backend_available"
+
+
+class UpstreamUnavailable(GatewayError):
+    status = 502
+    kind = "bad_gateway"
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    kind = "timeout"
+    code = "upstream_timeout"
+
+
+class StreamAborted(Exception):
+    """A non-streaming reply broke after its headers went out; the connection must drop."""

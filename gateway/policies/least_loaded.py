@@ -1,0 +1,21 @@
+"""Fewest requests in flight; ties rotate so equal backends share the load."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backends.backend import Backend
+from gateway.types import RequestContext
+
+
+class LeastLoaded:
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
+        if not candidates:
+            return None
+        low = min(b.in_flight for b in candidates)
+        tied = [b for b in candidates if b.in_flight == low]
+        self._turn += 1
+        return tied[self._turn % len(tied)]

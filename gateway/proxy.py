@@ -1,0 +1,198 @@
+"""The request path: parse once, choose a backend, forward, relay bytes as they come."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+
+from backends.asgi import BodyTooLarge, Receive, Scope, Send, cancel_on_disconnect, read_body
+from backends.backend import Backend
+from gateway.asgi import request_id, send_error
+from gateway.config import Config
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    NoBackend,
+    PayloadTooLarge,
+    RequestTimeout,
+    StreamAborted,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    sse_error_event,
+)
+from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.pool import BackendPool
+from gateway.types import Policy, RequestContext
+from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+
+log = logging.getLogger("gateway.proxy")
+
+MAX_SESSION_KEY = 256
+
+
+class Proxy:
+    """The ASGI endpoint behind every OpenAI POST route."""
+
+    def __init__(
+        self, config: Config, pool: BackendPool, upstream: Upstream, policy: Policy
+    ) -> None:
+        self._pool = pool
+        self._upstream = upstream
+        self._policy = policy
+        self._max_body = config.gateway.max_body_bytes
+        self._body_timeout = config.gateway.body_timeout
+        self._timeouts = config.upstream
+        self._session_keys = [
+            (kind, name.encode() if kind == "header" else name)
+            for kind, _, name in (s.partition(":") for s in config.routing.session_keys)
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = request_id(scope)
+        try:
+            async with asyncio.timeout(self._body_timeout):
+                body = await read_body(receive, self._max_body)
+        except BodyTooLarge:
+            await send_error(send, PayloadTooLarge(
+                f"request body exceeds {self._max_body} bytes"), rid)
+            return
+        except TimeoutError:
+            await send_error(send, RequestTimeout(
+                f"request body not received within {self._body_timeout:g} s"), rid)
+            return
+        if body is None:
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = cancel_on_disconnect(receive)
+        try:
+            await self._serve(self._context(scope, body, rid), send)
+        except GatewayError as exc:
+            await send_error(send, exc, rid)
+        except asyncio.CancelledError:
+            if watcher.done() and task.uncancel() == 0:
+                log.info("request %s: client disconnected, upstream cancelled", rid)
+                return
+            raise
+        finally:
+            watcher.cancel()
+
+    def _context(self, scope: Scope, body: bytes, rid: str) -> RequestContext:
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise BadRequest("request body must be a JSON object")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("'model' is required and must be a non-empty string")
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        return RequestContext(
+            request_id=rid,
+            path=scope["path"],
+            model=model,
+            stream=payload.get("stream") is True,
+            session_key=self._session_key(headers, payload),
+            body=body,
+            headers=headers,
+        )
+
+    def _session_key(self, headers: list[tuple[bytes, bytes]], payload: dict[str, object]) -> (
+        str | None
+    ):
+        for kind, name in self._session_keys:
+            value: object = None
+            if kind == "header":
+                value = next((v.decode("latin-1") for k, v in headers if k == name), None)
+            else:
+                value = payload.get(name)  # type: ignore[call-overload]
+            if isinstance(value, str) and value:
+                if len(value) > MAX_SESSION_KEY:
+                    raise BadRequest(f"session key is longer than {MAX_SESSION_KEY} characters")
+                return value
+        return None
+
+    async def _serve(self, ctx: RequestContext, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeouts.total_timeout
+        tried: list[Backend] = []
+        for _ in range(self._timeouts.connect_attempts):
+            candidates = [b for b in self._pool.candidates(ctx.model) if b not in tried]
+            backend = self._policy.choose(candidates, ctx)
+            if backend is None:
+                break
+            backend.in_flight += 1
+            try:
+                resp = await self._open(backend, ctx, deadline)
+                if resp is None:
+                    tried.append(backend)
+                    continue
+                await self._relay(resp, backend, ctx, send, deadline)
+                return
+            finally:
+                backend.in_flight -= 1
+        if tried:
+            raise UpstreamUnavailable(f"no backend for model {ctx.model!r} could be reached")
+        if not self._pool.known_model(ctx.model):
+            raise ModelNotFound(f"The model `{ctx.model}` does not exist.")
+        raise NoBackend(f"no healthy backend serves model {ctx.model!r}")
+
+    async def _open(
+        self, backend: Backend, ctx: RequestContext, deadline: float
+    ) -> UpstreamResponse | None:
+        """Send the request; None when no connection could be made (try another backend)."""
+        loop = asyncio.get_running_loop()
+        headers = upstream_request_headers(ctx.headers, backend, ctx.request_id)
+        try:
+            async with asyncio.timeout_at(
+                min(deadline, loop.time() + self._timeouts.first_byte_timeout)
+            ):
+                return await self._upstream.request(
+                    "POST", backend.url + ctx.path, headers, ctx.body
+                )
+        except ConnectFailed as exc:
+            log.warning("request %s: backend %s unreachable: %s", ctx.request_id, backend.name,
+                        exc)
+            return None
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"backend {backend.name} sent no response headers in time") from None
+        except UpstreamBroken as exc:
+            raise UpstreamUnavailable(f"backend {backend.name} failed: {exc}") from None
+
+    async def _relay(
+        self, resp: UpstreamResponse, backend: Backend, ctx: RequestContext, send: Send,
+        deadline: float,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        content_type = next((v for k, v in resp.headers if k.lower() == b"content-type"), b"")
+        stream = content_type.startswith(b"text/event-stream")
+        await send({
+            "type": "http.response.start",
+            "status": resp.status,
+            "headers": client_response_headers(resp.headers, backend, ctx.request_id, stream),
+        })
+        idle = self._timeouts.idle_timeout
+        finished = False
+        try:
+            async with asyncio.timeout_at(min(deadline, loop.time() + idle)) as timer:
+                async for chunk in resp.chunks():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    timer.reschedule(min(deadline, loop.time() + idle))
+            finished = True
+        except (UpstreamBroken, TimeoutError) as exc:
+            reason = "stalled" if isinstance(exc, TimeoutError) else f"failed: {exc}"
+            log.warning("request %s: backend %s %s mid-response", ctx.request_id,
+                        backend.name, reason)
+            if not stream:
+                raise StreamAborted(reason) from None
+            event = sse_error_event(f"backend {backend.name} {reason} mid-stream",
+                                    "upstream_error", 502)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        finally:
+            await resp.aclose(reuse=finished)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

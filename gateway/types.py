@@ -1,0 +1,28 @@
+"""The core types of the request path, named once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from backends.backend import Backend
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """Everything a policy may look at, parsed once from the request."""
+
+    request_id: str
+    path: str
+    model: str
+    stream: bool
+    session_key: str | None
+    body: bytes
+    headers: list[tuple[bytes, bytes]] = field(repr=False)
+
+
+class Policy(Protocol):
+    """Chooses one backend among already-filtered candidates. No I/O."""
+
+    def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None: ...

@@ -1,0 +1,73 @@
+"""aiohttp as the upstream client (the measured default; see docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+from gateway.config import UpstreamSection
+from gateway.upstream.base import ConnectFailed, Headers, UpstreamBroken
+
+
+class AiohttpResponse:
+    __slots__ = ("_resp", "headers", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status = resp.status
+        self.headers: Headers = list(resp.raw_headers)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+
+    async def aclose(self, reuse: bool) -> None:
+        if reuse:
+            self._resp.release()
+        else:
+            self._resp.close()
+
+
+class AiohttpUpstream:
+    def __init__(self, settings: UpstreamSection) -> None:
+        self._settings = settings
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        # Built lazily: aiohttp binds to the running loop.
+        if self._session is None:
+            s = self._settings
+            connector = aiohttp.TCPConnector(
+                limit=s.max_connections,
+                limit_per_host=s.max_connections_per_backend,
+                ttl_dns_cache=300,
+                keepalive_timeout=60,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                # Phase deadlines (first byte, idle, total) are enforced by the proxy.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout),
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+            )
+        return self._session
+
+    async def request(self, method: str, url: str, headers: Headers, body: bytes) -> AiohttpResponse:
+        hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        try:
+            resp = await self._client().request(method, url, headers=hdrs, data=body)
+        except aiohttp.ClientConnectorError as exc:
+            raise ConnectFailed(str(exc)) from exc
+        except aiohttp.ServerTimeoutError as exc:
+            raise ConnectFailed(f"connect timeout: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+        return AiohttpResponse(resp)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()

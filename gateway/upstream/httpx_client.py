@@ -1,0 +1,55 @@
+"""httpx as the upstream client (kept for comparison; see docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+
+from gateway.config import UpstreamSection
+from gateway.upstream.base import ConnectFailed, Headers, UpstreamBroken
+
+
+class HttpxResponse:
+    __slots__ = ("_resp", "headers", "status")
+
+    def __init__(self, resp: httpx.Response) -> None:
+        self._resp = resp
+        self.status = resp.status_code
+        self.headers: Headers = list(resp.headers.raw)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.aiter_raw():
+                yield chunk
+        except httpx.TransportError as exc:
+            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+
+    async def aclose(self, reuse: bool) -> None:
+        # httpx closes the connection itself when the body was not read to the end.
+        await self._resp.aclose()
+
+
+class HttpxUpstream:
+    def __init__(self, settings: UpstreamSection) -> None:
+        limits = httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+            keepalive_expiry=60,
+        )
+        # No library timeouts besides connect: the proxy enforces the phase deadlines.
+        timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
+        self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+    async def request(self, method: str, url: str, headers: Headers, body: bytes) -> HttpxResponse:
+        req = self._client.build_request(method, url, headers=headers, content=body)
+        try:
+            resp = await self._client.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise ConnectFailed(str(exc)) from exc
+        except httpx.TransportError as exc:
+            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+        return HttpxResponse(resp)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
