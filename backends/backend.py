@@ -22,7 +22,7 @@ class Backend:
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("flaps", "in_flight", "models", "spec", "state", "_streak")
+    __slots__ = ("_streak", "flaps", "in_flight", "models", "spec", "state")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec

@@ -102,7 +102,7 @@ class Config(Section):
     redis: RedisSection = RedisSection()
     routing: RoutingSection = RoutingSection()
     health: HealthSettings = HealthSettings()
-    backends: tuple[BackendSpec, ...] = Field(min_length=1)
+    backends: tuple[BackendSpec, ...]
 
 
 def _message(error: Any) -> str:
@@ -146,6 +146,8 @@ def parse(raw: dict[str, Any]) -> Config:
             path = ".".join(str(part) for part in error["loc"]) or "(top level)"
             problems.append(f"{path}: {_message(error)}")
     problems.extend(_duplicate_names(raw))
+    if raw.get("backends") == []:
+        problems.append("backends: at least one backend is required")
     if problems or config is None:
         raise ConfigError(problems)
     return config

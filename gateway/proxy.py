@@ -45,8 +45,9 @@ class Proxy:
         self._max_body = config.gateway.max_body_bytes
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
-        self._session_keys = [
-            (kind, name.encode() if kind == "header" else name)
+        # (header name, None) or (None, body field), in the configured order
+        self._session_sources: list[tuple[bytes | None, str | None]] = [
+            (name.encode(), None) if kind == "header" else (None, name)
             for kind, _, name in (s.partition(":") for s in config.routing.session_keys)
         ]
 
@@ -101,15 +102,15 @@ class Proxy:
             headers=headers,
         )
 
-    def _session_key(self, headers: list[tuple[bytes, bytes]], payload: dict[str, object]) -> (
-        str | None
-    ):
-        for kind, name in self._session_keys:
+    def _session_key(
+        self, headers: list[tuple[bytes, bytes]], payload: dict[str, object]
+    ) -> str | None:
+        for header, field in self._session_sources:
             value: object = None
-            if kind == "header":
-                value = next((v.decode("latin-1") for k, v in headers if k == name), None)
-            else:
-                value = payload.get(name)  # type: ignore[call-overload]
+            if header is not None:
+                value = next((v.decode("latin-1") for k, v in headers if k == header), None)
+            elif field is not None:
+                value = payload.get(field)
             if isinstance(value, str) and value:
                 if len(value) > MAX_SESSION_KEY:
                     raise BadRequest(f"session key is longer than {MAX_SESSION_KEY} characters")

@@ -227,7 +227,9 @@ class SimApp:
         await _respond(send, 200, embeddings_body(str(body["model"]), items), JSON)
 
 
-async def _respond(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+async def _respond(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

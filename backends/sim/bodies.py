@@ -99,7 +99,7 @@ class Completion:
         )
 
     def _event(self, choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> bytes:
-        payload = {
+        payload: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,

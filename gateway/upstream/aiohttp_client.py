@@ -56,7 +56,9 @@ class AiohttpUpstream:
             )
         return self._session
 
-    async def request(self, method: str, url: str, headers: Headers, body: bytes) -> AiohttpResponse:
+    async def request(
+        self, method: str, url: str, headers: Headers, body: bytes
+    ) -> AiohttpResponse:
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
         try:
             resp = await self._client().request(method, url, headers=hdrs, data=body)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install with test extras, then lint, type-check and run every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh test
+.venv/bin/ruff check gateway backends tests bench
+.venv/bin/mypy
+.venv/bin/pytest -q "$@"

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, load, parse
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def problems(raw: dict[str, object]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse(raw)
+    return info.value.problems
+
+
+def test_every_problem_is_reported_at_once_with_its_dotted_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NO_SUCH_VAR", raising=False)
+    found = problems({
+        "gateway": {"listen": "nohost", "api_keys": ["env:NO_SUCH_VAR"], "colour": "red"},
+        "upstream": {"idle_timeout": "soon"},
+        "backends": [
+            {"name": "a", "url": "ftp://x"},
+            {"name": "a", "url": "http://h:1"},
+            {"name": "b", "url": "http://h:99999", "api_key": "env:NO_SUCH_VAR"},
+        ],
+    })
+    assert found == [
+        "gateway.listen: must be HOST:PORT",
+        "gateway.api_keys.0: environment variable NO_SUCH_VAR is not set",
+        "gateway.colour: unknown key",
+        "upstream.idle_timeout: Input should be a valid number, unable to parse string as a number",
+        "backends.0.url: must be an http:// or https:// URL",
+        "backends.2.url: bad port: Port out of range 0-65535",
+        "backends.2.api_key: environment variable NO_SUCH_VAR is not set",
+        "backends.1.name: duplicate backend name 'a' (first at backends.0)",
+    ]
+
+
+def test_backends_are_required() -> None:
+    assert problems({}) == ["backends: required key is missing"]
+
+
+def test_secrets_resolve_from_env_and_never_print(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GW_SECRET", "s3cr3t")
+    config = parse({"gateway": {"api_keys": ["env:GW_SECRET", "plain"]},
+                    "backends": [{"name": "a", "url": "http://127.0.0.1:1/"}]})
+    assert [k.get_secret_value() for k in config.gateway.api_keys] == ["s3cr3t", "plain"]
+    assert "s3cr3t" not in repr(config) and "plain" not in repr(config)
+    assert config.backends[0].url == "http://127.0.0.1:1"
+
+
+def test_config_is_frozen() -> None:
+    config = parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
+    with pytest.raises(ValueError, match="frozen"):
+        config.gateway.listen = "0.0.0.0:1"  # type: ignore[misc]
+
+
+def test_defaults_allow_a_ten_minute_prefill() -> None:
+    config = parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
+    assert config.upstream.first_byte_timeout >= 600
+    assert config.upstream.max_connections >= 1000
+    assert config.routing.session_keys == ("header:x-session-id", "body:user")
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[gateway\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load(bad)
+    with pytest.raises(ConfigError, match="file not found"):
+        load(tmp_path / "absent.toml")
+
+
+@pytest.mark.parametrize("verb", ["check", "serve"])
+def test_cli_exits_2_listing_problems(tmp_path: Path, verb: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[gateway]\nlisten = "x"\n[[backends]]\nname = "a"\nurl = "nope"\n')
+    done = subprocess.run([sys.executable, "-m", "gateway", verb, "--config", str(path)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "gateway.listen: must be HOST:PORT",
+        "backends.0.url: must be an http:// or https:// URL",
+    ]
+
+
+def test_shipped_config_is_valid() -> None:
+    done = subprocess.run([sys.executable, "-m", "gateway", "check", "--config",
+                           str(REPO / "config.toml")], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr

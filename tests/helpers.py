@@ -1,0 +1,114 @@
+"""Test helpers: free ports, real subprocesses, and waiting on conditions with deadlines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+            if result:
+                return result
+        except Exception as exc:
+            last_exc = exc
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last error: {last_exc})")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Proc:
+    """A real child process running the CLI; logs go to a file shown on failure."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        self._log_file = open(log, "wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "gateway", *args],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._log_file.close()
+
+
+class Sim:
+    def __init__(self, tmp: Path, name: str, *options: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = Proc(["sim", "--port", str(self.port), *options], tmp / f"sim-{name}.log")
+        wait_for(lambda: http_ok(self.url + "/health"), 20, f"simulator {name}")
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = httpx.get(self.url + "/sim/stats", timeout=2).json()
+        return stats
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class Gateway:
+    def __init__(self, tmp: Path, config: str, name: str = "gw",
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config_path = tmp / f"{name}.toml"
+        self.config_path.write_text(
+            f'[gateway]\nlisten = "127.0.0.1:{self.port}"\n' + config
+        )
+        self.proc = Proc(["serve", "--config", str(self.config_path)], tmp / f"{name}.log", env)
+
+        def up() -> bool:
+            if self.proc.popen.poll() is not None:
+                raise RuntimeError(f"gateway exited:\n{self.proc.output()}")
+            return http_ok(self.url + "/healthz")
+
+        wait_for(up, 20, "gateway")
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def backend_toml(name: str, url: str, extra: str = "") -> str:
+    return f'\n[[backends]]\nname = "{name}"\nurl = "{url}"\n{extra}\n'
