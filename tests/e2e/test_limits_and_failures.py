@@ -129,3 +129,20 @@ def test_connect_failure_tries_another_backend(tmp: Path) -> None:
     finally:
         gw.stop()
         alive.stop()
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_no_library_default_timeout_survives(tmp: Path, sims: tuple[Sim, Sim], client: str) -> None:
+    """Libraries default to 5 s per phase; a 6 s first token and a 6 s gap must pass."""
+    a, _ = sims
+    gw = Gateway(tmp, f'[upstream]\nclient = "{client}"\n' + backend_toml("a", a.url),
+                 name=f"defaults-{client}")
+    try:
+        wait_for(lambda: http_ok(gw.url + "/readyz"), 10, "gateway ready")
+        stream = sdk(gw).chat.completions.create(
+            model="sim-model", messages=MESSAGES, max_tokens=2, stream=True,  # type: ignore[arg-type]
+            extra_headers={"x-sim": "ttft=6,itl=6"}, timeout=60,
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == " tok0 tok1"
+    finally:
+        gw.stop()

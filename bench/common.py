@@ -1,0 +1,76 @@
+"""Starting pinned processes and reading their CPU time, for the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TICK = os.sysconf("SC_CLK_TCK")
+HAVE_TASKSET = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+PROXY_CORE, LOAD_CORE = "0", "1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def pinned(core: str, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", core, *argv] if HAVE_TASKSET else argv
+
+
+def start(core: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(pinned(core, argv), stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} not up after {timeout} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and its reaped children, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / TICK
+
+
+def sim_argv(port: int, itl: float) -> list[str]:
+    return [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--itl", str(itl)]
+
+
+def loadgen(urls: list[str], concurrency: int, requests: int, tokens: int) -> dict[str, object]:
+    argv = pinned(LOAD_CORE, [sys.executable, "-m", "bench.loadgen", *urls, "--concurrency",
+                              str(concurrency), "--requests", str(requests), "--tokens",
+                              str(tokens)])
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=900)
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
