@@ -63,6 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
             timeout_keep_alive=75,
             backlog=4096,
             server_header=False,
+            proxy_headers=False,
         )
     )
     server.run()

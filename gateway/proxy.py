@@ -11,6 +11,7 @@ from backends.asgi import BodyTooLarge, Receive, Scope, Send, cancel_on_disconne
 from backends.backend import Backend
 from gateway.asgi import request_id, send_error
 from gateway.config import Config
+from gateway.deadline import StreamDeadline
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -169,7 +170,6 @@ class Proxy:
         self, resp: UpstreamResponse, backend: Backend, ctx: RequestContext, send: Send,
         deadline: float,
     ) -> None:
-        loop = asyncio.get_running_loop()
         content_type = next((v for k, v in resp.headers if k.lower() == b"content-type"), b"")
         stream = content_type.startswith(b"text/event-stream")
         await send({
@@ -177,23 +177,33 @@ class Proxy:
             "status": resp.status,
             "headers": client_response_headers(resp.headers, backend, ctx.request_id, stream),
         })
-        idle = self._timeouts.idle_timeout
-        finished = False
+        failure = None
+        task = asyncio.current_task()
+        assert task is not None
+        reuse = False
         try:
-            async with asyncio.timeout_at(min(deadline, loop.time() + idle)) as timer:
-                async for chunk in resp.chunks():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    timer.reschedule(min(deadline, loop.time() + idle))
-            finished = True
-        except (UpstreamBroken, TimeoutError) as exc:
-            reason = "stalled" if isinstance(exc, TimeoutError) else f"failed: {exc}"
+            with StreamDeadline(self._timeouts.idle_timeout, deadline) as timer:
+                try:
+                    while chunk := await resp.read():
+                        await send(
+                            {"type": "http.response.body", "body": chunk, "more_body": True}
+                        )
+                        timer.touch()
+                    reuse = True
+                except UpstreamBroken as exc:
+                    failure = f"failed: {exc}"
+                except asyncio.CancelledError:
+                    if not (timer.expired and task.uncancel() == 0):
+                        raise
+                    failure = "stalled"
+        finally:
+            await resp.aclose(reuse)
+        if failure is not None:
             log.warning("request %s: backend %s %s mid-response", ctx.request_id,
-                        backend.name, reason)
+                        backend.name, failure)
             if not stream:
-                raise StreamAborted(reason) from None
-            event = sse_error_event(f"backend {backend.name} {reason} mid-stream",
+                raise StreamAborted(failure)
+            event = sse_error_event(f"backend {backend.name} {failure} mid-stream",
                                     "upstream_error", 502)
             await send({"type": "http.response.body", "body": event, "more_body": True})
-        finally:
-            await resp.aclose(reuse=finished)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

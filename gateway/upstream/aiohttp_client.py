@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 
 from gateway.config import UpstreamSection
@@ -11,17 +9,17 @@ from gateway.upstream.base import ConnectFailed, Headers, UpstreamBroken
 
 
 class AiohttpResponse:
-    __slots__ = ("_resp", "headers", "status")
+    __slots__ = ("_content", "_resp", "headers", "status")
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
+        self._content = resp.content
         self.status = resp.status
         self.headers: Headers = list(resp.raw_headers)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def read(self) -> bytes:
         try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
+            return await self._content.readany()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
 

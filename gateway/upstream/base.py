@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Protocol
 
 Headers = list[tuple[bytes, bytes]]
@@ -20,8 +19,10 @@ class UpstreamResponse(Protocol):
     status: int
     headers: Headers
 
-    def chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes exactly as they arrive; raises UpstreamBroken on a dropped connection."""
+    async def read(self) -> bytes:
+        """The next body bytes exactly as they arrived; b"" at the end.
+
+        Raises UpstreamBroken on a dropped connection."""
         ...
 
     async def aclose(self, reuse: bool) -> None:

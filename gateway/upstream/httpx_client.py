@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 
 from gateway.config import UpstreamSection
@@ -11,17 +9,17 @@ from gateway.upstream.base import ConnectFailed, Headers, UpstreamBroken
 
 
 class HttpxResponse:
-    __slots__ = ("_resp", "headers", "status")
+    __slots__ = ("_chunks", "_resp", "headers", "status")
 
     def __init__(self, resp: httpx.Response) -> None:
         self._resp = resp
+        self._chunks = resp.aiter_raw()
         self.status = resp.status_code
         self.headers: Headers = list(resp.headers.raw)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def read(self) -> bytes:
         try:
-            async for chunk in self._resp.aiter_raw():
-                yield chunk
+            return await anext(self._chunks, b"")
         except httpx.TransportError as exc:
             raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install the peers the comparison runs against, each in its own venv under bench/.peers/.
+# nginx comes from Debian; vllm-router and the LiteLLM proxy from PyPI (pinned).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if ! command -v nginx >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null
+fi
+command -v taskset >/dev/null || { apt-get update -qq && apt-get install -y -qq util-linux; }
+mkdir -p .peers
+if [ ! -x .peers/router/bin/vllm-router ]; then
+  "$PY" -m venv .peers/router
+  .peers/router/bin/pip install -q 'vllm-router==0.1.17'
+fi
+if [ ! -x .peers/litellm/bin/litellm ]; then
+  "$PY" -m venv .peers/litellm
+  .peers/litellm/bin/pip install -q 'litellm[proxy]==1.110.2'
+fi
+echo "peers ready: $(nginx -v 2>&1), vllm-router 0.1.17, litellm 1.110.2"
