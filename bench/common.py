@@ -57,20 +57,58 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def tree(pid: int) -> list[int]:
+    """A process and all its live descendants (nginx and LiteLLM work in children)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, []))
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its reaped children, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / TICK
+    """User + system CPU of a process tree (and its reaped children), from /proc."""
+    total = 0.0
+    for p in tree(pid):
+        try:
+            total += sum(int(x) for x in _stat(p)[11:15]) / TICK
+        except OSError:
+            continue
+    return total
 
 
-def sim_argv(port: int, itl: float) -> list[str]:
-    return [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--itl", str(itl)]
+def sim_argv(port: int, itl: float, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "gateway", "sim", "--port", str(port), "--itl", str(itl),
+            *extra]
 
 
-def loadgen(urls: list[str], concurrency: int, requests: int, tokens: int) -> dict[str, object]:
+def loadgen(urls: list[str], concurrency: int, requests: int, tokens: int,
+            *extra: str) -> dict[str, object]:
     argv = pinned(LOAD_CORE, [sys.executable, "-m", "bench.loadgen", *urls, "--concurrency",
                               str(concurrency), "--requests", str(requests), "--tokens",
-                              str(tokens)])
+                              str(tokens), *extra])
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=900)
     result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def rss_peak_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) summed over a process tree, MiB."""
+    total = 0
+    for p in tree(pid):
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1])
+    return round(total / 1024, 1)

@@ -15,6 +15,6 @@ if [ ! -x .peers/router/bin/vllm-router ]; then
 fi
 if [ ! -x .peers/litellm/bin/litellm ]; then
   "$PY" -m venv .peers/litellm
-  .peers/litellm/bin/pip install -q 'litellm[proxy]==1.110.2'
+  .peers/litellm/bin/pip install -q 'litellm[proxy]==1.106.12'
 fi
-echo "peers ready: $(nginx -v 2>&1), vllm-router 0.1.17, litellm 1.110.2"
+echo "peers ready: $(nginx -v 2>&1), vllm-router 0.1.17, litellm 1.106.12 (1.108+ needs litellm-proxy, not on PyPI)"

@@ -83,8 +83,14 @@ def _sim(args: argparse.Namespace) -> int:
     from backends.sim.app import DropSimulatedCrash
     from backends.sim.options import Fault
 
+    try:
+        models = [SimOptions.parse_model(m) for m in args.model or ["sim-model"]]
+    except ValueError as exc:
+        print(f"--model: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     options = SimOptions(
-        models=tuple(args.model or ["sim-model"]),
+        models=tuple(name for name, _ in models),
+        model_overrides=tuple((name, o) for name, o in models if o),
         ttft=args.ttft,
         itl=args.itl,
         tokens=args.tokens,
@@ -124,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim", help="run the vLLM simulator")
     sim.add_argument("--port", type=int, required=True)
     sim.add_argument("--host", default="127.0.0.1")
-    sim.add_argument("--model", action="append", help="served model name (repeatable)")
+    sim.add_argument("--model", action="append",
+                     help="served model name, repeatable; NAME:itl=0.2,tokens=8 gives that "
+                          "model its own options (x-sim syntax)")
     sim.add_argument("--ttft", type=float, default=0.0, help="seconds to the first token")
     sim.add_argument("--itl", type=float, default=0.0, help="seconds between tokens")
     sim.add_argument("--tokens", type=int, default=16, help="output tokens without max_tokens")

@@ -114,17 +114,17 @@ class SimApp:
             body = orjson.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
-            opts = self.options
+            model = body.get("model")
+            if model not in self.options.models:
+                msg = f"The model `{model}` does not exist."
+                await _respond(send, 404, error_body(404, msg, "NotFoundError"), JSON)
+                return None
+            opts = self.options.for_model(model)
             for key, value in headers:
                 if key == "x-sim":
                     opts = opts.override(value)
         except ValueError as exc:
             await _respond(send, 400, error_body(400, str(exc), "BadRequestError"), JSON)
-            return None
-        model = body.get("model")
-        if model not in opts.models:
-            msg = f"The model `{model}` does not exist."
-            await _respond(send, 404, error_body(404, msg, "NotFoundError"), JSON)
             return None
         roll = self._random.random()
         if opts.fault is Fault.ERROR or roll < opts.error_rate:

@@ -19,6 +19,8 @@ class Fault(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class SimOptions:
     models: tuple[str, ...] = ("sim-model",)
+    # per-model overrides in the x-sim syntax, e.g. {"slow-model": "itl=0.25"}
+    model_overrides: tuple[tuple[str, str], ...] = ()
     ttft: float = 0.0  # seconds before the first token
     itl: float = 0.0  # seconds between tokens
     tokens: int = 16  # output length when the request gives no max_tokens
@@ -30,6 +32,20 @@ class SimOptions:
     after: int = 0  # chunks before CRASH / INBAND / STALL strikes
     stall: float = 3600.0
     seed: int = 0
+
+    @classmethod
+    def parse_model(cls, spec: str) -> tuple[str, str]:
+        """``NAME`` or ``NAME:key=value,...`` (the x-sim syntax) -> (name, overrides)."""
+        name, _, overrides = spec.partition(":")
+        if overrides:
+            cls().override(overrides)  # fail early on a bad key
+        return name, overrides
+
+    def for_model(self, model: str) -> SimOptions:
+        for name, overrides in self.model_overrides:
+            if name == model:
+                return self.override(overrides)
+        return self
 
     def override(self, header: str) -> SimOptions:
         """Apply ``key=value`` pairs (comma or semicolon separated) from the x-sim header."""

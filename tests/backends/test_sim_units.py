@@ -21,3 +21,13 @@ def test_x_sim_header_overrides() -> None:
     assert (opts.fault, opts.after, opts.ttft) == (Fault.CRASH, 3, 0.5)
     with pytest.raises(ValueError):
         SimOptions().override("bogus=1")
+
+
+def test_per_model_options() -> None:
+    name, overrides = SimOptions.parse_model("slow-model:itl=0.25,tokens=4")
+    opts = SimOptions(models=("sim-model", name), model_overrides=((name, overrides),))
+    assert opts.for_model("slow-model").itl == 0.25
+    assert opts.for_model("slow-model").tokens == 4
+    assert opts.for_model("sim-model").itl == 0.0
+    with pytest.raises(ValueError):
+        SimOptions.parse_model("m:nope=1")

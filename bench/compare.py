@@ -1,0 +1,176 @@
+"""The whole comparison: direct, vllm-gateway, nginx, vllm-router and LiteLLM on the same
+simulated backends, interleaved rounds, medians. Writes docs/BENCHMARKS.md and a plot.
+
+    bash bench/install_peers.sh          # once: nginx, vllm-router, litellm
+    .venv/bin/python -m bench.compare    # ~10 minutes on 2 cores
+
+Each proxy runs alone on core 0; two simulators and the load generator share core 1.
+A latency phase whose load core was saturated (>95 % busy) is marked and fails the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import report, targets
+from bench.common import (
+    HAVE_TASKSET,
+    LOAD_CORE,
+    PROXY_CORE,
+    cpu_seconds,
+    free_port,
+    loadgen,
+    rss_peak_mb,
+    sim_argv,
+    start,
+    stop,
+    wait_http,
+)
+
+Starter = Callable[[list[str], Path], targets.Running]
+SATURATED = 0.95
+
+
+def direct(sims: list[str], tmp: Path) -> targets.Running:
+    return targets.Running("direct", sims, None)
+
+
+STARTERS: dict[str, Starter] = {
+    "direct": direct,
+    "vllm-gateway": targets.gateway,
+    "nginx": targets.nginx,
+    "vllm-router": targets.vllm_router,
+    "litellm": targets.litellm,
+}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, sims: list[str], sim_pids: list[int]) -> None:
+        self.args = args
+        self.sims = sims
+        self.sim_pids = sim_pids
+
+    def phase(self, run: targets.Running, concurrency: int, requests: int, tokens: int,
+              *extra: str) -> dict[str, object]:
+        proxy_cpu = cpu_seconds(run.proc.pid) if run.proc else 0.0
+        sims_cpu = sum(cpu_seconds(p) for p in self.sim_pids)
+        t0 = time.perf_counter()
+        result = loadgen(run.urls, concurrency, requests, tokens, *extra)
+        wall = time.perf_counter() - t0
+        sims_cpu = sum(cpu_seconds(p) for p in self.sim_pids) - sims_cpu
+        result["proxy_cpu_s"] = (cpu_seconds(run.proc.pid) - proxy_cpu) if run.proc else 0.0
+        # The measured part is shorter than the subprocess's life; this errs on the busy side.
+        result["load_core_busy"] = round((float(result["cpu_s"]) + sims_cpu)  # type: ignore[arg-type]
+                                         / float(result["wall_s"]), 3)  # type: ignore[arg-type]
+        result["phase_wall_s"] = round(wall, 2)
+        return result
+
+    def latency(self, run: targets.Running) -> dict[str, dict[str, object]]:
+        a = self.args
+        return {
+            "c1": self.phase(run, 1, a.c1_requests, 8, "--warmup", "3"),
+            "c64": self.phase(run, 64, a.c64_requests, 64),
+            "plain": self.phase(run, 64, a.plain_requests, 8, "--no-stream", "--model",
+                                "quick-model", "--warmup", "2"),
+        }
+
+    def capacity(self, run: targets.Running) -> dict[str, object]:
+        held = 0
+        levels: dict[str, object] = {}
+        for level in self.args.levels:
+            r = self.phase(run, level, 1, 8, "--model", "hold-model", "--warmup", "0",
+                           "--timeout", "30")
+            levels[str(level)] = {"errors": r["errors"], "kinds": r["error_kinds"]}
+            if r["errors"]:
+                break
+            held = level
+        rss = rss_peak_mb(run.proc.pid) if run.proc else 0.0
+        return {"held": held, "levels": levels, "rss_peak_mb": rss}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--targets", nargs="+", default=list(STARTERS))
+    parser.add_argument("--levels", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--c1-requests", type=int, default=30)
+    parser.add_argument("--c64-requests", type=int, default=3)
+    parser.add_argument("--plain-requests", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
+    parser.add_argument("--raw", type=Path, default=Path("bench/results/compare.json"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds-long check: direct and vllm-gateway, tiny loads, no docs")
+    args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.targets, args.levels = 1, ["direct", "vllm-gateway"], [16]
+        args.c1_requests, args.c64_requests, args.plain_requests = 3, 1, 1
+    missing = [t for t, ok in targets.available().items() if t in args.targets and not ok]
+    if missing:
+        print(f"missing peers {missing}: run bash bench/install_peers.sh", file=sys.stderr)
+        return 2
+
+    tmp = Path(tempfile.mkdtemp(prefix="vgw-compare-"))
+    ports = [free_port(), free_port()]
+    sims = [f"http://127.0.0.1:{p}" for p in ports]
+    models = ["--model", "sim-model", "--model", "hold-model:itl=0.5",
+              "--model", "quick-model:itl=0"]
+    procs = [start(LOAD_CORE, sim_argv(p, 0.02, *models), tmp / f"sim{p}.log") for p in ports]
+    rounds: dict[str, list[dict[str, dict[str, object]]]] = {t: [] for t in args.targets}
+    capacity: dict[str, dict[str, object]] = {}
+    started = time.monotonic()
+    try:
+        for url in sims:
+            wait_http(url + "/health")
+        bench = Bench(args, sims, [p.pid for p in procs])
+        for r in range(args.rounds):
+            for name in args.targets:
+                run = STARTERS[name](sims, tmp)
+                try:
+                    rounds[name].append(bench.latency(run))
+                    if r == args.rounds - 1:
+                        capacity[name] = bench.capacity(run)
+                finally:
+                    if run.proc:
+                        stop(run.proc)
+                print(f"round {r + 1}: {name} done", file=sys.stderr)
+    finally:
+        for p in procs:
+            stop(p)
+    elapsed = time.monotonic() - started
+    setup = (f"{args.rounds} interleaved rounds, medians; proxies pinned to core {PROXY_CORE}, "
+             f"2 simulators and the load generator to core {LOAD_CORE}"
+             + ("" if HAVE_TASKSET else " (NOT pinned: taskset missing)")
+             + f"; suite took {elapsed / 60:.1f} min")
+    summary = report.summarise(rounds, capacity)
+    raw = {"setup": setup, "summary": summary, "rounds": rounds, "capacity": capacity}
+    args.raw.parent.mkdir(parents=True, exist_ok=True)
+    if not args.smoke:
+        args.raw.write_text(json.dumps(raw, indent=1))
+        report.write(args.out, setup, summary, sys.argv[1:])
+    print(json.dumps(summary, indent=1))
+    saturated = [f"{t} {p}" for t, rs in rounds.items() for rr in rs for p, v in rr.items()
+                 if p != "plain" and float(v["load_core_busy"]) > SATURATED]  # type: ignore[arg-type]
+    mismatched = [t for t, s in summary.items() if not s["shapes_match"]]
+    if saturated:
+        print(f"REJECTED: load core saturated in {saturated}", file=sys.stderr)
+        return 3
+    if args.smoke and mismatched:
+        print(f"chunk counts differ from direct: {mismatched}", file=sys.stderr)
+        return 4
+    return 0
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Turns the comparison's raw rounds into figures, a table, a plot and docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+START, END = "<!-- compare:start -->", "<!-- compare:end -->"
+PLOT = "bench_compare.png"
+
+
+def _med(values: list[float]) -> float:
+    return round(statistics.median(values), 3) if values else float("nan")
+
+
+def summarise(rounds: dict[str, list[dict[str, Any]]],
+              capacity: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    base = rounds.get("direct", [])
+    out: dict[str, dict[str, Any]] = {}
+    for name, rs in rounds.items():
+        pairs = list(zip(rs, base, strict=False))
+
+        def added(phase: str, key: str, q: str, pairs: list[Any] = pairs) -> float:
+            return _med([r[phase][key][q] - d[phase][key][q] for r, d in pairs])
+
+        c64 = [r["c64"] for r in rs]
+        plain = [r["plain"] for r in rs]
+        out[name] = {
+            "ttft_add_c1_p50": added("c1", "ttft_ms", "p50"),
+            "ttft_add_c1_p99": added("c1", "ttft_ms", "p99"),
+            "ttft_add_c64_p50": added("c64", "ttft_ms", "p50"),
+            "ttft_add_c64_p99": added("c64", "ttft_ms", "p99"),
+            "gap_add_c64_p99": added("c64", "gap_ms", "p99"),
+            "plain_rps": _med([p["rps"] for p in plain]),
+            "cpu_s_per_1k_streams": _med([p["proxy_cpu_s"] / p["requests"] * 1000 for p in c64]),
+            "cpu_s_per_1k_plain": _med([p["proxy_cpu_s"] / p["requests"] * 1000 for p in plain]),
+            "errors": sum(p[k]["errors"] for p in rs for k in p),
+            "load_core_busy_max": max(p[k]["load_core_busy"] for p in rs for k in ("c1", "c64")),
+            "shapes_match": all(r["c64"]["shapes"] == d["c64"]["shapes"] for r, d in pairs),
+            "held_streams": capacity.get(name, {}).get("held"),
+            "rss_peak_mb": capacity.get(name, {}).get("rss_peak_mb"),
+        }
+    return out
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    head = ("| target | +TTFT p50 @1 ms | +TTFT p99 @1 ms | +TTFT p50 @64 ms | +TTFT p99 @64 ms "
+            "| +gap p99 @64 ms | streams held, 0 errors | non-stream req/s | CPU s / 1k streams "
+            "| CPU s / 1k non-stream | peak RSS MiB | bytes = direct |")
+    rows = [head, "|" + "---|" * 12]
+    for name, s in summary.items():
+        rows.append(
+            f"| {name} | {s['ttft_add_c1_p50']:.2f} | {s['ttft_add_c1_p99']:.2f} "
+            f"| {s['ttft_add_c64_p50']:.2f} | {s['ttft_add_c64_p99']:.2f} "
+            f"| {s['gap_add_c64_p99']:.2f} | {s['held_streams']} | {s['plain_rps']:.0f} "
+            f"| {s['cpu_s_per_1k_streams']:.2f} | {s['cpu_s_per_1k_plain']:.2f} "
+            f"| {s['rss_peak_mb']} | {'yes' if s['shapes_match'] else 'no'} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in summary if n != "direct"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    panels = [
+        ("added TTFT p50 at 64 streams (ms)", "ttft_add_c64_p50", False),
+        ("proxy CPU s per 1,000 streams", "cpu_s_per_1k_streams", True),
+        ("proxy CPU s per 1,000 non-stream requests", "cpu_s_per_1k_plain", True),
+    ]
+    for ax, (title, key, log) in zip(axes, panels, strict=True):
+        values = [max(summary[n][key], 1e-3) for n in names]
+        ax.bar(names, values, color=["#2a9d8f" if n == "vllm-gateway" else "#8d99ae"
+                                     for n in names])
+        ax.set_title(title, fontsize=10)
+        if log:
+            ax.set_yscale("log")
+        ax.tick_params(axis="x", rotation=20)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def write(doc: Path, setup: str, summary: dict[str, dict[str, Any]], argv: list[str]) -> None:
+    plot(summary, doc.parent / PLOT)
+    command = " ".join([".venv/bin/python -m bench.compare", *argv])
+    section = (
+        f"{START}\n```bash\nbash bench/install_peers.sh\n{command}\n```\n\n{setup}.\n\n"
+        "Added figures are the target minus the direct run of the same round. Streams: 64 "
+        "chunks 20 ms apart (c64 phase), 8 chunks at one stream at a time (c1 phase); "
+        "held streams: 8 chunks 0.5 s apart, all open at once; non-stream: 8 tokens, no delay, "
+        "64 concurrent. 'bytes = direct': every stream's event count and bytes equal the "
+        f"direct run's.\n\n{table(summary)}\n\n![comparison]({PLOT})\n{END}"
+    )
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if START in text and END in text:
+        text = text[: text.index(START)] + section + text[text.index(END) + len(END):]
+    else:
+        text += "\n## Side by side: direct, vllm-gateway, nginx, vllm-router, LiteLLM\n\n" + section
+    doc.write_text(text)
