@@ -1,0 +1,23 @@
+"""A seconds-long run of the comparison: it runs, and every stream through the gateway
+has the same events and bytes as the direct run. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_compare_smoke_runs_and_chunks_match(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--smoke", "--raw", str(tmp_path / "raw.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["vllm-gateway"]["shapes_match"] is True
+    assert summary["vllm-gateway"]["errors"] == 0
+    assert summary["vllm-gateway"]["held_streams"] == 16
