@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
+import os
 
 from backends.asgi import Scope, Send
 from gateway.errors import GatewayError
@@ -23,7 +23,7 @@ def request_id(scope: Scope) -> str:
                 rid = value.decode("ascii")
                 break
         else:
-            rid = uuid.uuid4().hex
+            rid = os.urandom(16).hex()
         scope["vgw.request_id"] = rid
     return rid
 

@@ -11,7 +11,7 @@ from backends.asgi import BodyTooLarge, Receive, Scope, Send, cancel_on_disconne
 from backends.backend import Backend
 from gateway.asgi import request_id, send_error
 from gateway.config import Config
-from gateway.deadline import StreamDeadline
+from gateway.deadline import Deadline
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -54,24 +54,29 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = request_id(scope)
+        loop = asyncio.get_running_loop()
+        deadline = Deadline(loop.time() + self._body_timeout)
         try:
-            async with asyncio.timeout(self._body_timeout):
-                body = await read_body(receive, self._max_body)
+            body = await read_body(receive, self._max_body)
         except BodyTooLarge:
+            deadline.cancel()
             await send_error(send, PayloadTooLarge(
                 f"request body exceeds {self._max_body} bytes"), rid)
             return
-        except TimeoutError:
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
             await send_error(send, RequestTimeout(
                 f"request body not received within {self._body_timeout:g} s"), rid)
             return
         if body is None:
+            deadline.cancel()
             return
         task = asyncio.current_task()
         assert task is not None
         watcher = cancel_on_disconnect(receive)
         try:
-            await self._serve(self._context(scope, body, rid), send)
+            await self._serve(self._context(scope, body, rid), send, deadline)
         except GatewayError as exc:
             await send_error(send, exc, rid)
         except asyncio.CancelledError:
@@ -81,6 +86,7 @@ class Proxy:
             raise
         finally:
             watcher.cancel()
+            deadline.cancel()
 
     def _context(self, scope: Scope, body: bytes, rid: str) -> RequestContext:
         try:
@@ -118,9 +124,9 @@ class Proxy:
                 return value
         return None
 
-    async def _serve(self, ctx: RequestContext, send: Send) -> None:
+    async def _serve(self, ctx: RequestContext, send: Send, deadline: Deadline) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeouts.total_timeout
+        total = loop.time() + self._timeouts.total_timeout
         tried: list[Backend] = []
         for _ in range(self._timeouts.connect_attempts):
             candidates = [b for b in self._pool.candidates(ctx.model) if b not in tried]
@@ -129,10 +135,12 @@ class Proxy:
                 break
             backend.in_flight += 1
             try:
+                deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 resp = await self._open(backend, ctx, deadline)
                 if resp is None:
                     tried.append(backend)
                     continue
+                deadline.stream(self._timeouts.idle_timeout, total)
                 await self._relay(resp, backend, ctx, send, deadline)
                 return
             finally:
@@ -144,31 +152,27 @@ class Proxy:
         raise NoBackend(f"no healthy backend serves model {ctx.model!r}")
 
     async def _open(
-        self, backend: Backend, ctx: RequestContext, deadline: float
+        self, backend: Backend, ctx: RequestContext, deadline: Deadline
     ) -> UpstreamResponse | None:
         """Send the request; None when no connection could be made (try another backend)."""
-        loop = asyncio.get_running_loop()
         headers = upstream_request_headers(ctx.headers, backend, ctx.request_id)
         try:
-            async with asyncio.timeout_at(
-                min(deadline, loop.time() + self._timeouts.first_byte_timeout)
-            ):
-                return await self._upstream.request(
-                    "POST", backend.url + ctx.path, headers, ctx.body
-                )
+            return await self._upstream.request("POST", backend.url + ctx.path, headers, ctx.body)
         except ConnectFailed as exc:
             log.warning("request %s: backend %s unreachable: %s", ctx.request_id, backend.name,
                         exc)
             return None
-        except TimeoutError:
-            raise UpstreamTimeout(
-                f"backend {backend.name} sent no response headers in time") from None
         except UpstreamBroken as exc:
             raise UpstreamUnavailable(f"backend {backend.name} failed: {exc}") from None
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
+            raise UpstreamTimeout(
+                f"backend {backend.name} sent no response headers in time") from None
 
     async def _relay(
         self, resp: UpstreamResponse, backend: Backend, ctx: RequestContext, send: Send,
-        deadline: float,
+        deadline: Deadline,
     ) -> None:
         content_type = next((v for k, v in resp.headers if k.lower() == b"content-type"), b"")
         stream = content_type.startswith(b"text/event-stream")
@@ -178,24 +182,18 @@ class Proxy:
             "headers": client_response_headers(resp.headers, backend, ctx.request_id, stream),
         })
         failure = None
-        task = asyncio.current_task()
-        assert task is not None
         reuse = False
         try:
-            with StreamDeadline(self._timeouts.idle_timeout, deadline) as timer:
-                try:
-                    while chunk := await resp.read():
-                        await send(
-                            {"type": "http.response.body", "body": chunk, "more_body": True}
-                        )
-                        timer.touch()
-                    reuse = True
-                except UpstreamBroken as exc:
-                    failure = f"failed: {exc}"
-                except asyncio.CancelledError:
-                    if not (timer.expired and task.uncancel() == 0):
-                        raise
-                    failure = "stalled"
+            while chunk := await resp.read():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                deadline.touch()
+            reuse = True
+        except UpstreamBroken as exc:
+            failure = f"failed: {exc}"
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
+            failure = "stalled"
         finally:
             await resp.aclose(reuse)
         if failure is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+from yarl import URL
 
 from gateway.config import UpstreamSection
 from gateway.upstream.base import ConnectFailed, Headers, UpstreamBroken
@@ -34,6 +35,8 @@ class AiohttpUpstream:
     def __init__(self, settings: UpstreamSection) -> None:
         self._settings = settings
         self._session: aiohttp.ClientSession | None = None
+        # Parsed once: URLs are backend base + one of a few fixed paths, so this stays small.
+        self._urls: dict[str, URL] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         # Built lazily: aiohttp binds to the running loop.
@@ -59,7 +62,10 @@ class AiohttpUpstream:
     ) -> AiohttpResponse:
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
         try:
-            resp = await self._client().request(method, url, headers=hdrs, data=body)
+            parsed = self._urls.get(url)
+            if parsed is None:
+                parsed = self._urls[url] = URL(url)
+            resp = await self._client().request(method, parsed, headers=hdrs, data=body)
         except aiohttp.ClientConnectorError as exc:
             raise ConnectFailed(str(exc)) from exc
         except aiohttp.ServerTimeoutError as exc:

@@ -4,37 +4,80 @@ import asyncio
 
 import pytest
 
-from gateway.deadline import StreamDeadline
+from gateway.deadline import Deadline
+
+
+def now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def test_touches_keep_a_stream_alive_past_its_idle_time() -> None:
     async def main() -> bool:
-        with StreamDeadline(idle=0.1, deadline=asyncio.get_running_loop().time() + 60) as t:
-            for _ in range(6):  # 0.3 s in all, never 0.1 s without a touch
-                await asyncio.sleep(0.03)
-                t.touch()
-            return t.expired
+        d = Deadline(now() + 60)
+        d.stream(idle=0.1, total=now() + 60)
+        for _ in range(6):  # 0.3 s in all, never 0.1 s without a touch
+            await asyncio.sleep(0.03)
+            d.touch()
+        d.cancel()
+        return d.expired
 
     assert asyncio.run(main()) is False
 
 
-def test_idle_gap_cancels_the_task() -> None:
-    async def main() -> StreamDeadline:
-        t = StreamDeadline(idle=0.05, deadline=asyncio.get_running_loop().time() + 60)
-        with pytest.raises(asyncio.CancelledError):
+def test_idle_gap_cancels_the_task_and_absorb_undoes_it() -> None:
+    async def main() -> bool:
+        d = Deadline(now() + 60)
+        d.stream(idle=0.05, total=now() + 60)
+        try:
             await asyncio.sleep(5)
-        return t
+        except asyncio.CancelledError:
+            return d.absorb()
+        return False
 
-    assert asyncio.run(main()).expired
+    assert asyncio.run(main()) is True
 
 
-def test_total_deadline_wins_over_touches() -> None:
-    async def main() -> StreamDeadline:
-        t = StreamDeadline(idle=10, deadline=asyncio.get_running_loop().time() + 0.1)
-        with pytest.raises(asyncio.CancelledError):
-            while True:
-                await asyncio.sleep(0.01)
-                t.touch()
-        return t
+def test_total_wins_over_touches() -> None:
+    async def main() -> None:
+        d = Deadline(now() + 60)
+        d.stream(idle=10, total=now() + 0.1)
+        while True:
+            await asyncio.sleep(0.01)
+            d.touch()
 
-    assert asyncio.run(main()).expired
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(main())
+
+
+def test_an_earlier_phase_due_re_arms_and_a_later_one_waits() -> None:
+    async def main() -> tuple[bool, bool]:
+        d = Deadline(now() + 60)
+        d.until(now() + 0.05)  # earlier than armed: must fire soon
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            first = d.absorb()
+        d.until(now() + 0.2)  # a later phase after an early timer: fires only at its due
+        await asyncio.sleep(0.1)
+        second = not d.expired
+        d.cancel()
+        return first, second
+
+    assert asyncio.run(main()) == (True, True)
+
+
+def test_a_foreign_cancel_is_not_absorbed() -> None:
+    async def main() -> bool:
+        d = Deadline(now() + 60)
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().call_later(0.01, task.cancel)
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            return d.absorb()
+        finally:
+            d.cancel()
+        return True
+
+    assert asyncio.run(main()) is False
