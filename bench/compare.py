@@ -41,9 +41,15 @@ def direct(sims: list[str], tmp: Path) -> targets.Running:
     return targets.Running("direct", sims, None)
 
 
+def gateway_2w(sims: list[str], tmp: Path) -> targets.Running:
+    # Two workers need two cores: this one shares core 1 with the load, stated in the output.
+    return targets.gateway(sims, tmp, workers=2, core=f"{PROXY_CORE},{LOAD_CORE}")
+
+
 STARTERS: dict[str, Starter] = {
     "direct": direct,
     "vllm-gateway": targets.gateway,
+    "vllm-gateway x2": gateway_2w,
     "nginx": targets.nginx,
     "vllm-router": targets.vllm_router,
     "litellm": targets.litellm,
@@ -147,7 +153,8 @@ def main() -> int:
     setup = (f"{args.rounds} interleaved rounds, medians; proxies pinned to core {PROXY_CORE}, "
              f"2 simulators and the load generator to core {LOAD_CORE}"
              + ("" if HAVE_TASKSET else " (NOT pinned: taskset missing)")
-             + f"; suite took {elapsed / 60:.1f} min")
+             + "; 'vllm-gateway x2' is `workers = 2` on both cores, so it shares core "
+             + f"{LOAD_CORE} with the load; suite took {elapsed / 60:.1f} min")
     summary = report.summarise(rounds, capacity)
     raw = {"setup": setup, "summary": summary, "rounds": rounds, "capacity": capacity}
     args.raw.parent.mkdir(parents=True, exist_ok=True)

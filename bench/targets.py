@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,17 +21,19 @@ class Running:
     proc: subprocess.Popen[bytes] | None
 
 
-def gateway(sims: list[str], tmp: Path, workers: int = 1) -> Running:
+def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str = PROXY_CORE) -> Running:
     port = free_port()
     backends = "".join(f'\n[[backends]]\nname = "s{i}"\nurl = "{u}"\n' for i, u in enumerate(sims))
     cfg = tmp / "gateway.toml"
     cfg.write_text(f'[gateway]\nlisten = "127.0.0.1:{port}"\nlog_level = "warning"\n'
-                   + backends)
-    proc = start(PROXY_CORE, [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
+                   f"workers = {workers}\n" + backends)
+    proc = start(core, [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
                  tmp / "gateway.log")
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/readyz")
-    return Running("vllm-gateway", [url], proc)
+    if workers > 1:  # every worker must have probed its backends before load starts
+        time.sleep(1.0)
+    return Running("vllm-gateway" if workers == 1 else f"vllm-gateway x{workers}", [url], proc)
 
 
 def nginx(sims: list[str], tmp: Path) -> Running:

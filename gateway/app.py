@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -19,10 +20,11 @@ from starlette.routing import Route
 from backends.asgi import Receive, Scope, Send
 from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
+from gateway import logs
 from gateway.asgi import request_id, send_json
 from gateway.auth import ApiKeyAuth
-from gateway.config import Config
-from gateway.errors import error_body
+from gateway.config import CONFIG_ENV, Config, load
+from gateway.errors import StreamAborted, error_body
 from gateway.policies import make_policy
 from gateway.pool import BackendPool
 from gateway.proxy import Proxy
@@ -67,8 +69,6 @@ class GatewayApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        if not self.config.gateway.api_keys:
-            log.warning("no [gateway] api_keys configured: the gateway is open to any client")
         settings = self.config.health
         async with aiohttp.ClientSession() as probe_session:
             checker = HealthChecker(
@@ -94,7 +94,7 @@ class GatewayApp:
         return JSONResponse({"object": "list", "data": data})
 
     async def _healthz(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "pid": os.getpid()})
 
     async def _readyz(self, request: Request) -> Response:
         ready = self.pool.ready
@@ -102,3 +102,11 @@ class GatewayApp:
             {"ready": ready, "backends": {b.name: b.state.value for b in self.pool.backends}},
             status_code=200 if ready else 503,
         )
+
+
+def from_env() -> GatewayApp:
+    """The app factory each worker process calls (config path from the environment)."""
+    config = load(os.environ[CONFIG_ENV])
+    if not logging.getLogger().handlers:  # a spawned worker: logging is not set up yet
+        logs.setup(config.gateway.log_level, StreamAborted)
+    return GatewayApp(config)

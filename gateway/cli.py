@@ -6,30 +6,13 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from gateway.config import Config, ConfigError, load
+from gateway import logs
+from gateway.config import CONFIG_ENV, Config, ConfigError, load
 
 EXIT_CONFIG = 2
-
-
-class _DropExpected(logging.Filter):
-    """Keep uvicorn from printing tracebacks for connections dropped on purpose."""
-
-    def __init__(self, *kinds: type[BaseException]) -> None:
-        super().__init__()
-        self._kinds = kinds
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, self._kinds)
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+log = logging.getLogger("gateway")
 
 
 def _load_or_exit(path: str) -> Config:
@@ -42,31 +25,35 @@ def _load_or_exit(path: str) -> Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
     import uvicorn
 
-    from gateway.app import GatewayApp
     from gateway.errors import StreamAborted
 
     config = _load_or_exit(args.config)
-    _setup_logging(config.gateway.log_level)
-    logging.getLogger("uvicorn.error").addFilter(_DropExpected(StreamAborted))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            GatewayApp(config),
-            host=config.gateway.host,
-            port=config.gateway.port,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            access_log=False,
-            log_config=None,
-            timeout_keep_alive=75,
-            backlog=4096,
-            server_header=False,
-            proxy_headers=False,
-        )
+    logs.setup(config.gateway.log_level, StreamAborted)
+    if not config.gateway.api_keys:
+        log.warning("no [gateway] api_keys configured: the gateway is open to any client")
+    workers = config.gateway.workers
+    # Workers build the app from this path themselves (uvicorn starts them with spawn).
+    os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+    uvicorn.run(
+        "gateway.app:from_env",
+        factory=True,
+        host=config.gateway.host,
+        port=config.gateway.port,
+        workers=workers if workers > 1 else None,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_config=None,
+        timeout_keep_alive=75,
+        backlog=4096,
+        server_header=False,
+        proxy_headers=False,
     )
-    server.run()
     return 0
 
 
@@ -80,7 +67,7 @@ def _sim(args: argparse.Namespace) -> int:
     import uvicorn
 
     from backends.sim import SimApp, SimOptions
-    from backends.sim.app import DropSimulatedCrash
+    from backends.sim.app import SimulatedCrash
     from backends.sim.options import Fault
 
     try:
@@ -103,8 +90,7 @@ def _sim(args: argparse.Namespace) -> int:
         stall=args.stall,
         seed=args.seed,
     )
-    _setup_logging(args.log_level)
-    logging.getLogger("uvicorn.error").addFilter(DropSimulatedCrash())
+    logs.setup(args.log_level, SimulatedCrash)
     uvicorn.run(
         SimApp(options), host=args.host, port=args.port, loop="uvloop", http="httptools",
         access_log=False, log_config=None, backlog=4096, timeout_keep_alive=75,

@@ -15,6 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 
+CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
+
 
 class ConfigError(Exception):
     """The config is invalid; ``problems`` holds one ``dotted.key: message`` line each."""
@@ -63,6 +65,7 @@ class GatewaySection(Section):
     # uvicorn alone lets a client trickle its body forever.
     body_timeout: float = Field(default=30.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    workers: int = Field(default=1, ge=1, le=64, description="worker processes")
 
     @property
     def host(self) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 from typing import Any
 
@@ -24,12 +23,6 @@ class SimulatedCrash(Exception):
 
 class _StreamEnded(Exception):
     """The response was finished early on purpose (an in-band error)."""
-
-
-class DropSimulatedCrash(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, SimulatedCrash)
 
 
 class SimStats:
