@@ -22,14 +22,20 @@ class Backend:
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("_streak", "flaps", "in_flight", "models", "spec", "state")
+    __slots__ = ("_streak", "flaps", "in_flight", "last_probe", "models", "pid", "restarts",
+                 "spec", "started_at", "state", "url")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
+        self.url = spec.base_url
         self.state = BackendState.STARTING
         self.in_flight = 0
         self.models: frozenset[str] = frozenset()
         self.flaps = 0
+        self.restarts = 0
+        self.pid: int | None = None
+        self.started_at: float | None = None  # monotonic, while a spawned process runs
+        self.last_probe: str = "none yet"
         self._streak = 0  # consecutive probes disagreeing with the current state
 
     @property
@@ -37,8 +43,9 @@ class Backend:
         return self.spec.name
 
     @property
-    def url(self) -> str:
-        return self.spec.url
+    def managed(self) -> bool:
+        """Spawned and supervised by the gateway (its start-up is the supervisor's call)."""
+        return self.spec.spawn is not None
 
     @property
     def routable(self) -> bool:
@@ -56,7 +63,10 @@ class Backend:
         if self.state in (BackendState.DRAINING, BackendState.STOPPED, BackendState.FAILED):
             return False
         if self.state is BackendState.STARTING:
-            # A fresh backend has no earlier state to protect: its first probe decides.
+            # A fresh backend has no earlier state to protect: its first probe decides,
+            # except that a spawned one is allowed its start-up time by the supervisor.
+            if not ok and self.managed:
+                return False
             self._streak = 0
             self.state = BackendState.READY if ok else BackendState.UNHEALTHY
             return True

@@ -86,6 +86,7 @@ class HealthChecker:
     def apply(self, backend: Backend, result: ProbeResult) -> None:
         if result.models is not None:
             backend.models = result.models
+        backend.last_probe = "ok" if result.ok else "failed"
         before = backend.state
         if backend.observe_probe(result.ok, self._settings.fall, self._settings.rise):
             log.warning(

@@ -6,7 +6,15 @@ import os
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    model_validator,
+)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -54,15 +62,54 @@ HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
 Name = Annotated[str, AfterValidator(_check_name)]
 
 
+class SpawnSpec(BaseModel):
+    """A vLLM instance the gateway starts and supervises itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="model id or path")
+    port: int = Field(ge=1, le=65535)
+    host: str = "127.0.0.1"
+    served_model_name: str | None = None
+    gpus: tuple[int, ...] = Field(default=(), description="sets CUDA_VISIBLE_DEVICES")
+    args: tuple[str, ...] = Field(default=(), description="extra vLLM arguments")
+    env: dict[str, str] = Field(default_factory=dict)
+    python: str | None = Field(default=None, description="interpreter with vLLM; default: ours")
+    # Full argv instead of vLLM's, with {python} {model} {host} {port} {served_model_name}.
+    command: tuple[str, ...] | None = None
+    startup_timeout: float = Field(default=900.0, gt=0)
+    max_uptime: float | None = Field(default=None, gt=0, description="restart after, seconds")
+    max_rss_mb: int | None = Field(default=None, gt=0, description="restart above, MiB")
+
+    @property
+    def name_served(self) -> str:
+        return self.served_model_name or self.model
+
+
 class BackendSpec(BaseModel):
-    """One backend: a vLLM (or compatible) server reached by URL."""
+    """One backend: reached by ``url``, or spawned from a ``spawn`` table."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: Name
-    url: HttpUrl
+    url: HttpUrl | None = None
+    spawn: SpawnSpec | None = None
     group: Name = "stable"
     api_key: Secret | None = Field(
         default=None, description="sent upstream as 'Authorization: Bearer ...'"
     )
     weight: int = Field(default=1, ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _url_or_spawn(self) -> BackendSpec:
+        if (self.url is None) == (self.spawn is None):
+            raise ValueError("give either 'url' or a [backends.spawn] table (exactly one)")
+        return self
+
+    @property
+    def base_url(self) -> str:
+        if self.spawn is not None:
+            host = self.spawn.host if self.spawn.host not in ("0.0.0.0", "::") else "127.0.0.1"
+            return f"http://{host}:{self.spawn.port}"
+        assert self.url is not None
+        return self.url

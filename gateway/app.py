@@ -20,7 +20,9 @@ from starlette.routing import Route
 from backends.asgi import Receive, Scope, Send
 from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
+from backends.supervisor import Supervisor
 from gateway import logs
+from gateway.admin import Admin
 from gateway.asgi import request_id, send_json
 from gateway.auth import ApiKeyAuth
 from gateway.config import CONFIG_ENV, Config, load
@@ -43,11 +45,17 @@ class GatewayApp:
         self.pool = BackendPool([Backend(spec) for spec in config.backends])
         self.upstream = make_upstream(config.upstream)
         self.proxy = Proxy(config, self.pool, self.upstream, make_policy(config.routing.policy))
+        self.supervisors: dict[str, Supervisor] = {}
+        admin_key = config.gateway.admin_key
+        self.admin = Admin(self.pool, self.supervisors,
+                           admin_key.get_secret_value() if admin_key else None,
+                           config.supervisor.drain_timeout)
         self._other = Starlette(
             routes=[
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
+                *self.admin.routes(),
             ],
             lifespan=self._lifespan,
         )
@@ -71,9 +79,13 @@ class GatewayApp:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         settings = self.config.health
         async with aiohttp.ClientSession() as probe_session:
-            checker = HealthChecker(
-                self.pool.backends, settings, HttpProbe(probe_session, settings.timeout)
-            )
+            probe = HttpProbe(probe_session, settings.timeout)
+            for backend in self.pool.backends:
+                if backend.managed:
+                    supervisor = Supervisor(backend, self.config.supervisor, probe)
+                    self.supervisors[backend.name] = supervisor
+                    supervisor.start()
+            checker = HealthChecker(self.pool.backends, settings, probe)
             await checker.check_all()
             log.info("backends at start: %s", ", ".join(
                 f"{b.name}={b.state.value}" for b in self.pool.backends))
@@ -84,6 +96,7 @@ class GatewayApp:
                 health.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await health
+                await asyncio.gather(*(s.stop() for s in self.supervisors.values()))
                 await self.upstream.aclose()
 
     async def _models(self, request: Request) -> Response:

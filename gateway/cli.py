@@ -98,6 +98,17 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin(args: argparse.Namespace) -> int:
+    from gateway import admin_cli
+
+    config = _load_or_exit(args.config)
+    if args.command == "status":
+        return admin_cli.status(config, args)
+    if args.command == "drain":
+        return admin_cli.drain(config, args)
+    return admin_cli.act(config, args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-gateway",
@@ -112,6 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate the config; exit 2 listing every problem")
     check.add_argument("--config", default="config.toml", help="default: ./config.toml")
     check.set_defaults(func=_check)
+
+    status = sub.add_parser("status", help="print every backend's state (admin API)")
+    status.add_argument("--config", default="config.toml")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_admin)
+    drain = sub.add_parser("drain", help="stop new requests to a backend, wait for in-flight")
+    drain.add_argument("backend")
+    drain.add_argument("--then", choices=["none", "restart", "stop"], default="none")
+    drain.add_argument("--timeout", type=float, help="seconds to wait for in-flight requests")
+    drain.add_argument("--config", default="config.toml")
+    drain.set_defaults(func=_admin)
+    for verb, text in (("restart", "restart a spawned backend (also after 'failed')"),
+                       ("stop", "stop a spawned backend"),
+                       ("start", "start a stopped backend")):
+        p = sub.add_parser(verb, help=text)
+        p.add_argument("backend")
+        p.add_argument("--config", default="config.toml")
+        p.set_defaults(func=_admin)
+    rolling = sub.add_parser("rolling-restart",
+                             help="drain and restart every spawned backend, one at a time")
+    rolling.add_argument("--config", default="config.toml")
+    rolling.set_defaults(func=_admin)
 
     sim = sub.add_parser("sim", help="run the vLLM simulator")
     sim.add_argument("--port", type=int, required=True)

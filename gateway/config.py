@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
+from backends.supervisor import SupervisorSettings
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
 
@@ -105,6 +106,7 @@ class Config(Section):
     redis: RedisSection = RedisSection()
     routing: RoutingSection = RoutingSection()
     health: HealthSettings = HealthSettings()
+    supervisor: SupervisorSettings = SupervisorSettings()
     backends: tuple[BackendSpec, ...]
 
 
@@ -149,6 +151,11 @@ def parse(raw: dict[str, Any]) -> Config:
             path = ".".join(str(part) for part in error["loc"]) or "(top level)"
             problems.append(f"{path}: {_message(error)}")
     problems.extend(_duplicate_names(raw))
+    if config is not None and config.gateway.workers > 1 and any(
+        b.spawn for b in config.backends
+    ):
+        problems.append("gateway.workers: spawned backends need workers = 1 (the serving "
+                        "process supervises them); run them as url backends to use workers")
     if raw.get("backends") == []:
         problems.append("backends: at least one backend is required")
     if problems or config is None:

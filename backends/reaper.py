@@ -1,0 +1,127 @@
+"""The wrapper every spawned backend runs under, so that nothing it starts outlives us.
+
+    python -m backends.reaper --log FILE [--max-bytes N] [--backups N] [--grace S] -- CMD...
+
+It asks the kernel for SIGTERM when its parent (the gateway) dies, even by SIGKILL, and to
+adopt orphaned descendants (child subreaper). CMD runs in a process group of its own.
+On SIGTERM/SIGINT/SIGHUP, or when CMD exits, the reaper signals that whole group and any
+adopted orphans (SIGTERM, then SIGKILL after the grace period), reaps them, and exits
+with CMD's status. CMD's output goes to FILE, rotated by size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import logging.handlers
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def _signal_all(group: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+    for orphan in _children(os.getpid()):  # adopted descendants that left the group
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(orphan, sig)
+
+
+def _reap_orphans(main: int) -> None:
+    """Collect adopted orphans that have exited (never the main child: Popen waits for it)."""
+    for pid in _children(os.getpid()):
+        if pid != main:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
+
+def _copy_output(stream: object, log: logging.Logger) -> None:
+    for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+        log.info(raw.decode("utf-8", "replace").rstrip("\n"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backends.reaper")
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--max-bytes", type=int, default=10 * 1024 * 1024)
+    parser.add_argument("--backups", type=int, default=3)
+    parser.add_argument("--grace", type=float, default=20.0)
+    parser.add_argument("--parent", type=int, default=0, help="exit at once if not our parent")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        parser.error("no command given")
+
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if args.parent and os.getppid() != args.parent:
+        return 1  # the gateway died before we could ask to be told
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.handlers.RotatingFileHandler(
+        args.log, maxBytes=args.max_bytes, backupCount=args.backups)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    out = logging.getLogger("backend-output")
+    out.addHandler(handler)
+    out.setLevel(logging.INFO)
+    out.propagate = False
+
+    # A flag, not a threading.Event: Event.set() from a signal handler can deadlock on the
+    # lock that the interrupted Event.wait() holds.
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    copier = threading.Thread(target=_copy_output, args=(child.stdout, out), daemon=True)
+    copier.start()
+    while child.poll() is None and not stopping:
+        _reap_orphans(child.pid)
+        time.sleep(0.1)
+    _signal_all(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.grace
+    while time.monotonic() < deadline and (child.poll() is None or _children(os.getpid())):
+        _reap_orphans(child.pid)
+        time.sleep(0.05)
+    _signal_all(child.pid, signal.SIGKILL)
+    code = child.wait()
+    deadline = time.monotonic() + 5
+    while _children(os.getpid()) and time.monotonic() < deadline:
+        _reap_orphans(child.pid)
+        time.sleep(0.02)
+    copier.join(timeout=2)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

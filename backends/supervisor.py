@@ -1,0 +1,245 @@
+"""Starts one spawned backend, waits until it is ready, restarts it when it crashes.
+
+Crash restarts back off exponentially with jitter; ``crash_loop_restarts`` crashes within
+``crash_loop_window`` seconds mark the backend failed until an operator restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.backend import Backend, BackendState
+from backends.health import Probe
+from backends.launcher import Launch, build
+
+log = logging.getLogger("backends.supervisor")
+
+
+class SupervisorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backoff_initial: float = Field(default=1.0, gt=0)
+    backoff_max: float = Field(default=60.0, gt=0)
+    crash_loop_restarts: int = Field(default=5, ge=1)
+    crash_loop_window: float = Field(default=300.0, gt=0)
+    stop_grace: float = Field(default=20.0, gt=0, description="SIGTERM to SIGKILL, seconds")
+    startup_probe_interval: float = Field(default=0.5, gt=0)
+    log_dir: str = "logs"
+    log_max_bytes: int = Field(default=10 * 1024 * 1024, ge=1024)
+    log_backups: int = Field(default=3, ge=0)
+    drain_timeout: float = Field(default=60.0, gt=0, description="wait for in-flight requests")
+    policy_interval: float = Field(default=5.0, gt=0, description="max_uptime/max_rss checks")
+
+
+PLANNED = "planned restart"
+
+
+async def drain(backend: Backend, within: float, poll: float = 0.05) -> bool:
+    """Take a backend out of rotation and wait for its in-flight requests to finish."""
+    backend.state = BackendState.DRAINING
+    deadline = time.monotonic() + within
+    # in_flight is a bare counter on the hot path; polling it during a drain costs nothing.
+    while backend.in_flight and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(poll)
+    return backend.in_flight == 0
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process and its descendants, MiB (Linux /proc)."""
+    total_kb = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kb += int(line.split()[1])
+            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        todo.extend(int(c) for c in children)
+    return total_kb / 1024
+
+
+class Supervisor:
+    def __init__(
+        self,
+        backend: Backend,
+        settings: SupervisorSettings,
+        probe: Probe,
+        clock: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        assert backend.spec.spawn is not None
+        self.backend = backend
+        self._spawn = backend.spec.spawn
+        self._settings = settings
+        self._probe = probe
+        self._clock = clock
+        self._jitter = jitter
+        self._crashes: deque[float] = deque()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self._settings.log_dir) / f"{self.backend.name}.log"
+
+    def start(self) -> None:
+        """Start (or, after failed/stopped, restart) the run loop."""
+        if self._task is not None and not self._task.done():
+            return
+        self._stopping = False
+        self._crashes.clear()
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"supervise {self.backend.name}")
+
+    async def stop(self, state: BackendState = BackendState.STOPPED) -> None:
+        self._stopping = True
+        await self._terminate()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self.backend.state = state
+
+    async def restart(self) -> None:
+        """An operator's restart: stop, forget the crash history, start again."""
+        await self.stop(BackendState.STARTING)
+        self.start()
+
+    def backoff(self, crashes: int) -> float:
+        base = min(self._settings.backoff_max,
+                   self._settings.backoff_initial * 2.0 ** max(crashes - 1, 0))
+        return base * (0.5 + self._jitter() / 2)  # "equal jitter": half fixed, half random
+
+    async def drain_and_restart(self) -> bool:
+        """Drain, then restart; True when every in-flight request finished first."""
+        drained = await drain(self.backend, self._settings.drain_timeout)
+        await self.restart()
+        return drained
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            code = await self._one_life()
+            if self._stopping:
+                return
+            if code == PLANNED:
+                continue
+            now = self._clock()
+            self._crashes.append(now)
+            while self._crashes and now - self._crashes[0] > self._settings.crash_loop_window:
+                self._crashes.popleft()
+            self.backend.restarts += 1
+            if len(self._crashes) >= self._settings.crash_loop_restarts:
+                self.backend.state = BackendState.FAILED
+                log.error("backend %s: %d crashes within %g s: marked failed, not restarting "
+                          "until an operator does", self.backend.name, len(self._crashes),
+                          self._settings.crash_loop_window)
+                return
+            delay = self.backoff(len(self._crashes))
+            log.warning("backend %s exited (%s): restart %d in %.1f s", self.backend.name, code,
+                        self.backend.restarts, delay)
+            await asyncio.sleep(delay)
+
+    async def _one_life(self) -> int | str:
+        """Run the process once: until it exits, or fails to become ready in time."""
+        backend = self.backend
+        backend.state = BackendState.STARTING
+        launch = build(self._spawn)
+        self._proc = await self._exec(launch)
+        backend.pid = self._proc.pid
+        backend.started_at = self._clock()
+        log.info("backend %s: started pid %d: %s", backend.name, self._proc.pid,
+                 " ".join(launch.argv))
+        exited = asyncio.ensure_future(self._proc.wait())
+        try:
+            if not await self._wait_ready(exited):
+                if exited.done():
+                    return exited.result()
+                log.error("backend %s: not ready within %g s", backend.name,
+                          self._spawn.startup_timeout)
+                await self._terminate()
+                return "start-up timeout"
+            backend.state = BackendState.READY
+            log.info("backend %s: ready after %.1f s", backend.name,
+                     self._clock() - backend.started_at)
+            return await self._serve_until_exit(exited)
+        finally:
+            exited.cancel()
+            backend.pid = None
+            backend.started_at = None
+            if backend.state is BackendState.READY:
+                backend.state = BackendState.UNHEALTHY
+
+    async def _serve_until_exit(self, exited: asyncio.Future[int]) -> int | str:
+        """Wait for the process to exit; restart it on purpose when a policy says so."""
+        spawn = self._spawn
+        if spawn.max_uptime is None and spawn.max_rss_mb is None:
+            return await exited
+        while True:
+            await asyncio.wait({exited}, timeout=self._settings.policy_interval)
+            if exited.done():
+                return exited.result()
+            reason = self._policy_reason()
+            if reason is not None:
+                log.warning("backend %s: %s: draining and restarting", self.backend.name, reason)
+                await drain(self.backend, self._settings.drain_timeout)
+                await self._terminate()
+                return PLANNED
+
+    def _policy_reason(self) -> str | None:
+        b, spawn = self.backend, self._spawn
+        if spawn.max_uptime is not None and b.started_at is not None:
+            if self._clock() - b.started_at > spawn.max_uptime:
+                return f"up longer than max_uptime {spawn.max_uptime:g} s"
+        if spawn.max_rss_mb is not None and self._proc is not None:
+            rss = rss_mb(self._proc.pid)
+            if rss > spawn.max_rss_mb:
+                return f"RSS {rss:.0f} MiB above max_rss_mb {spawn.max_rss_mb}"
+        return None
+
+    async def _exec(self, launch: Launch) -> asyncio.subprocess.Process:
+        s = self._settings
+        argv = [sys.executable, "-m", "backends.reaper", "--log", str(self.log_path),
+                "--max-bytes", str(s.log_max_bytes), "--backups", str(s.log_backups),
+                "--grace", str(s.stop_grace), "--parent", str(os.getpid()), "--", *launch.argv]
+        return await asyncio.create_subprocess_exec(
+            *argv, env=launch.env, stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True, cwd=os.getcwd())
+
+    async def _wait_ready(self, exited: asyncio.Future[int]) -> bool:
+        deadline = self._clock() + self._spawn.startup_timeout
+        while self._clock() < deadline and not exited.done():
+            result = await self._probe(self.backend)
+            if result.ok and result.models:
+                self.backend.models = result.models
+                return True
+            await asyncio.wait({exited}, timeout=self._settings.startup_probe_interval)
+        return False
+
+    async def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()  # the reaper stops the whole process group
+        try:
+            await asyncio.wait_for(proc.wait(), self._settings.stop_grace + 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+    def __repr__(self) -> str:
+        b = self.backend
+        return (f"<Supervisor {b.name} [{b.state.value} | pid {b.pid} | "
+                f"restarts {b.restarts}]>")

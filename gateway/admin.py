@@ -1,0 +1,151 @@
+"""The admin API under /admin: backend status, drain, restart, rolling restart.
+
+Protected by ``[gateway] admin_key`` (Bearer); with no admin key, loopback clients only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from backends.backend import Backend, BackendState
+from backends.supervisor import Supervisor, drain
+from gateway.pool import BackendPool
+
+LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "admin_error", "param": None,
+                                   "code": code}}, status_code=status)
+
+
+class Admin:
+    def __init__(self, pool: BackendPool, supervisors: dict[str, Supervisor],
+                 admin_key: str | None, drain_timeout: float) -> None:
+        self._pool = pool
+        self._supervisors = supervisors
+        self._key = admin_key.encode() if admin_key else None
+        self._drain_timeout = drain_timeout
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/admin/status", self._guard(self.status), methods=["GET"]),
+            Route("/admin/backends/{name}/drain", self._guard(self.drain), methods=["POST"]),
+            Route("/admin/backends/{name}/restart", self._guard(self.restart), methods=["POST"]),
+            Route("/admin/backends/{name}/stop", self._guard(self.stop), methods=["POST"]),
+            Route("/admin/backends/{name}/start", self._guard(self.start), methods=["POST"]),
+            Route("/admin/rolling-restart", self._guard(self.rolling_restart), methods=["POST"]),
+        ]
+
+    def _guard(self, handler: Handler) -> Handler:
+        async def guarded(request: Request) -> Response:
+            if not self._allowed(request):
+                return _error(401, "admin key required (Authorization: Bearer <admin key>)",
+                              "invalid_admin_key")
+            return await handler(request)
+
+        return guarded
+
+    def _allowed(self, request: Request) -> bool:
+        if self._key is None:
+            return request.client is not None and request.client.host in LOOPBACK
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                  self._key)
+
+    def _backend(self, request: Request) -> Backend | None:
+        name = request.path_params["name"]
+        return next((b for b in self._pool.backends if b.name == name), None)
+
+    async def status(self, request: Request) -> Response:
+        now = time.monotonic()
+        return JSONResponse({"backends": [
+            {
+                "name": b.name, "group": b.spec.group, "url": b.url, "spawned": b.managed,
+                "state": b.state.value, "pid": b.pid,
+                "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
+                "restarts": b.restarts, "in_flight": b.in_flight, "last_probe": b.last_probe,
+                "flaps": b.flaps, "models": sorted(b.models),
+            }
+            for b in self._pool.backends
+        ]})
+
+    async def drain(self, request: Request) -> Response:
+        backend = self._backend(request)
+        if backend is None:
+            return _error(404, "no such backend", "backend_not_found")
+        body = await request.json() if await request.body() else {}
+        then = body.get("then", "none")
+        timeout = float(body.get("timeout", self._drain_timeout))
+        if then not in ("none", "restart", "stop"):
+            return _error(400, "'then' must be none, restart or stop", "invalid_request")
+        supervisor = self._supervisors.get(backend.name)
+        if then != "none" and supervisor is None:
+            return _error(400, f"backend {backend.name} is not spawned by the gateway",
+                          "not_spawned")
+        drained = await drain(backend, timeout)
+        if supervisor is not None and then == "restart":
+            await supervisor.restart()
+        elif supervisor is not None and then == "stop":
+            await supervisor.stop()
+        return JSONResponse({"backend": backend.name, "drained": drained,
+                             "state": backend.state.value})
+
+    async def restart(self, request: Request) -> Response:
+        return await self._act(request, lambda s: s.restart())
+
+    async def stop(self, request: Request) -> Response:
+        return await self._act(request, lambda s: s.stop())
+
+    async def start(self, request: Request) -> Response:
+        backend = self._backend(request)
+        if backend is not None and backend.name not in self._supervisors:
+            # An external backend: back into rotation once health probes agree.
+            backend.state = BackendState.STARTING
+            return JSONResponse({"backend": backend.name, "state": backend.state.value})
+
+        async def start(s: Supervisor) -> None:
+            s.start()
+
+        return await self._act(request, start)
+
+    async def _act(self, request: Request,
+                   action: Callable[[Supervisor], Awaitable[None]]) -> Response:
+        backend = self._backend(request)
+        if backend is None:
+            return _error(404, "no such backend", "backend_not_found")
+        supervisor = self._supervisors.get(backend.name)
+        if supervisor is None:
+            return _error(400, f"backend {backend.name} is not spawned by the gateway",
+                          "not_spawned")
+        await action(supervisor)
+        return JSONResponse({"backend": backend.name, "state": backend.state.value})
+
+    async def rolling_restart(self, request: Request) -> Response:
+        """Drain and restart each spawned backend in turn, waiting until it is ready."""
+        results = []
+        for name, supervisor in self._supervisors.items():
+            drained = await supervisor.drain_and_restart()
+            ready = await _until_settled(supervisor.backend)
+            results.append({"backend": name, "drained": drained, "ready": ready})
+            if not ready:
+                return JSONResponse({"results": results, "aborted": True}, status_code=500)
+        return JSONResponse({"results": results, "aborted": False})
+
+
+async def _until_settled(backend: Backend, poll: float = 0.1) -> bool:
+    assert backend.spec.spawn is not None
+    deadline = time.monotonic() + backend.spec.spawn.startup_timeout
+    while backend.state is not BackendState.READY and time.monotonic() < deadline:
+        if backend.state is BackendState.FAILED:
+            return False
+        await asyncio.sleep(poll)
+    return backend.state is BackendState.READY
