@@ -141,6 +141,20 @@ def _duplicate_names(raw: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _duplicate_ports(config: Config) -> list[str]:
+    seen: dict[tuple[str, int], int] = {}
+    problems = []
+    for i, backend in enumerate(config.backends):
+        if backend.spawn is None:
+            continue
+        key = (backend.spawn.host, backend.spawn.port)
+        if key in seen:
+            problems.append(f"backends.{i}.spawn.port: port {key[1]} is also used by "
+                            f"backends.{seen[key]}")
+        seen.setdefault(key, i)
+    return problems
+
+
 def parse(raw: dict[str, Any]) -> Config:
     problems: list[str] = []
     config = None
@@ -151,6 +165,8 @@ def parse(raw: dict[str, Any]) -> Config:
             path = ".".join(str(part) for part in error["loc"]) or "(top level)"
             problems.append(f"{path}: {_message(error)}")
     problems.extend(_duplicate_names(raw))
+    if config is not None:
+        problems.extend(_duplicate_ports(config))
     if config is not None and config.gateway.workers > 1 and any(
         b.spawn for b in config.backends
     ):

@@ -94,3 +94,23 @@ def test_shipped_config_is_valid() -> None:
     done = subprocess.run([sys.executable, "-m", "gateway", "check", "--config",
                            str(REPO / "config.toml")], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_backend_is_either_url_or_spawn() -> None:
+    found = problems({"backends": [
+        {"name": "a"},
+        {"name": "b", "url": "http://h:1", "spawn": {"model": "m", "port": 8101}},
+        {"name": "c", "spawn": {"model": "m"}},
+    ]})
+    assert found == [
+        "backends.0: give either 'url' or a [backends.spawn] table (exactly one)",
+        "backends.1: give either 'url' or a [backends.spawn] table (exactly one)",
+        "backends.2.spawn.port: required key is missing",
+    ]
+
+
+def test_workers_and_spawned_backends_do_not_mix() -> None:
+    assert problems({"gateway": {"workers": 2},
+                     "backends": [{"name": "a", "spawn": {"model": "m", "port": 8101}}]}) == [
+        "gateway.workers: spawned backends need workers = 1 (the serving process supervises "
+        "them); run them as url backends to use workers"]

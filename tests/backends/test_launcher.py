@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import sys
+
+from backends.launcher import build
+from backends.spec import SpawnSpec
+
+
+def spec(**kw: object) -> SpawnSpec:
+    return SpawnSpec.model_validate({"model": "/m/tiny", "port": 8101, **kw})
+
+
+def test_cpu_package_uses_the_module_entry_point() -> None:
+    launch = build(spec(served_model_name="tiny", args=["--max-model-len", "1024"]),
+                   gpu_package=False)
+    assert launch.argv == [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                           "--model", "/m/tiny", "--host", "127.0.0.1", "--port", "8101",
+                           "--served-model-name", "tiny", "--max-model-len", "1024"]
+
+
+def test_gpu_package_uses_vllm_serve_and_visible_devices() -> None:
+    launch = build(spec(python="/opt/venv/bin/python", gpus=[2], host="0.0.0.0"),
+                   gpu_package=True)
+    assert launch.argv[:3] == ["/opt/venv/bin/vllm", "serve", "/m/tiny"]
+    assert launch.argv[3:7] == ["--host", "0.0.0.0", "--port", "8101"]
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert "NCCL_NVLS_ENABLE" not in launch.env or launch.env["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_multi_gpu_turns_nvlink_multicast_off_and_env_wins() -> None:
+    launch = build(spec(gpus=[0, 1], args=["--tensor-parallel-size", "2"],
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"}), gpu_package=True)
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert launch.env["NCCL_NVLS_ENABLE"] == "0"
+    assert launch.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert launch.argv[-2:] == ["--tensor-parallel-size", "2"]
+
+
+def test_command_template() -> None:
+    launch = build(spec(command=["{python}", "-m", "x", "--port", "{port}",
+                                 "--name", "{served_model_name}"], served_model_name="t"))
+    assert launch.argv == [sys.executable, "-m", "x", "--port", "8101", "--name", "t"]
