@@ -113,7 +113,14 @@ def main() -> int:
     parser.add_argument("--raw", type=Path, default=Path("bench/results/compare.json"))
     parser.add_argument("--smoke", action="store_true",
                         help="seconds-long check: direct and vllm-gateway, tiny loads, no docs")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite docs/BENCHMARKS.md from --raw without measuring")
     args = parser.parse_args()
+    if args.report_only:
+        raw = json.loads(args.raw.read_text())
+        summary = report.summarise(raw["rounds"], raw["capacity"])
+        report.write(args.out, raw["setup"], summary, raw.get("argv", []))
+        return 0
     if args.smoke:
         args.rounds, args.targets, args.levels = 1, ["direct", "vllm-gateway"], [16]
         args.c1_requests, args.c64_requests, args.plain_requests = 3, 1, 1
@@ -156,7 +163,8 @@ def main() -> int:
              + "; 'vllm-gateway x2' is `workers = 2` on both cores, so it shares core "
              + f"{LOAD_CORE} with the load; suite took {elapsed / 60:.1f} min")
     summary = report.summarise(rounds, capacity)
-    raw = {"setup": setup, "summary": summary, "rounds": rounds, "capacity": capacity}
+    raw = {"setup": setup, "summary": summary, "rounds": rounds, "capacity": capacity,
+           "argv": sys.argv[1:]}
     args.raw.parent.mkdir(parents=True, exist_ok=True)
     if not args.smoke:
         args.raw.write_text(json.dumps(raw, indent=1))
