@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ SIM = '["{python}", "-m", "gateway", "sim", "--port", "{port}", "--model", "{ser
 SIM_WITH_GRANDCHILD = ('["sh", "-c", "sleep 300 & exec {python} -m gateway sim --port {port} '
                        '--model {served_model_name}"]')
 CRASHING = '["{python}", "-c", "import sys; sys.exit(3)"]'
+NEVER_READY = '["sleep", "300"]'
 
 
 def spawned(name: str, command: str, extra: str = "") -> str:
@@ -105,7 +107,9 @@ def test_sigkilled_instance_is_restarted_and_requests_keep_working(pair: Gateway
     (victim,) = descendants(before["pid"])  # the simulator under its reaper
     os.kill(victim, signal.SIGKILL)
     failures = 0
+    deadline = time.monotonic() + 30
     while status(pair)["s1"]["restarts"] == 0 or status(pair)["s1"]["state"] != "ready":
+        assert time.monotonic() < deadline, "s1 was not restarted within 30 s"
         try:
             chat(pair)  # a connection refused by s1 is retried on s2
         except openai.APIError:
@@ -203,3 +207,41 @@ def test_rolling_restart_under_load_fails_no_request(pair: Gateway) -> None:
     assert [r["ready"] for r in resp.json()["results"]] == [True, True]
     assert len(outcomes) > 20 and all(outcomes), f"{outcomes.count(False)} failed"
     assert all(status(pair)[n]["pid"] != pid for n, pid in pids.items())
+
+
+def test_start_up_timeout_counts_as_a_crash(tmp_path: Path) -> None:
+    config = supervisor_toml(tmp_path) + spawned("ok", SIM) + spawned(
+        "slow", NEVER_READY).replace("startup_timeout = 20", "startup_timeout = 1")
+    gw = Gateway(tmp_path, config, name="startup-timeout")
+    try:
+        wait_for(lambda: status(gw)["slow"]["state"] == "failed", 40, "slow marked failed")
+        assert status(gw)["slow"]["restarts"] == 3
+        assert "not ready within 1 s" in gw.proc.output()
+    finally:
+        gw.stop()
+
+
+def test_max_uptime_drains_and_restarts_without_failing_requests(tmp_path: Path) -> None:
+    short = "max_uptime = 1.5\n"
+    config = (supervisor_toml(tmp_path).replace("[supervisor]\n",
+                                                "[supervisor]\npolicy_interval = 0.2\n")
+              + spawned("u1", SIM, short) + spawned("u2", SIM))
+    gw = Gateway(tmp_path, config, name="uptime")
+    try:
+        wait_for(lambda: status(gw)["u1"]["state"] == "ready", 30, "u1 ready")
+        first = status(gw)["u1"]["pid"]
+        failures = 0
+        deadline = time.monotonic() + 30
+        while status(gw)["u1"]["pid"] in (first, None) or status(gw)["u1"]["state"] != "ready":
+            assert time.monotonic() < deadline, "u1 was not restarted within 30 s"
+            try:
+                chat(gw)
+            except openai.APIError:
+                failures += 1
+            if failures:
+                break
+        assert failures == 0
+        assert status(gw)["u1"]["restarts"] == 0  # planned, not a crash
+        assert "up longer than max_uptime" in gw.proc.output()
+    finally:
+        gw.stop()
