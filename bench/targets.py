@@ -26,7 +26,9 @@ def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str = PROXY_CORE
     backends = "".join(f'\n[[backends]]\nname = "s{i}"\nurl = "{u}"\n' for i, u in enumerate(sims))
     cfg = tmp / "gateway.toml"
     cfg.write_text(f'[gateway]\nlisten = "127.0.0.1:{port}"\nlog_level = "warning"\n'
-                   f"workers = {workers}\n" + backends)
+                   f"workers = {workers}\n"
+                   # The workload has no session keys: no Redis needed for a pure proxy run.
+                   "[routing]\nsticky = false\n" + backends)
     proc = start(core, [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
                  tmp / "gateway.log")
     url = f"http://127.0.0.1:{port}"

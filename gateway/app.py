@@ -12,6 +12,9 @@ import os
 from collections.abc import AsyncIterator
 
 import aiohttp
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,10 +29,14 @@ from gateway.admin import Admin
 from gateway.asgi import request_id, send_json
 from gateway.auth import ApiKeyAuth
 from gateway.config import CONFIG_ENV, Config, load
+from gateway.embedded_redis import EmbeddedValkey
 from gateway.errors import StreamAborted, error_body
+from gateway.metrics import Metrics
 from gateway.policies import make_policy
 from gateway.pool import BackendPool
 from gateway.proxy import Proxy
+from gateway.router import Router
+from gateway.store import PinStore
 from gateway.upstream import make_upstream
 
 log = logging.getLogger("gateway")
@@ -44,7 +51,10 @@ class GatewayApp:
         self.config = config
         self.pool = BackendPool([Backend(spec) for spec in config.backends])
         self.upstream = make_upstream(config.upstream)
-        self.proxy = Proxy(config, self.pool, self.upstream, make_policy(config.routing.policy))
+        self.metrics = Metrics()
+        self.router = Router(self.pool, make_policy(config.routing), None, config.routing,
+                             self.metrics)
+        self.proxy = Proxy(config, self.pool, self.upstream, self.router)
         self.supervisors: dict[str, Supervisor] = {}
         admin_key = config.gateway.admin_key
         self.admin = Admin(self.pool, self.supervisors,
@@ -55,6 +65,7 @@ class GatewayApp:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
                 *self.admin.routes(),
             ],
             lifespan=self._lifespan,
@@ -77,6 +88,36 @@ class GatewayApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            if self.config.routing.sticky:
+                self.router.store = await stack.enter_async_context(self._pins())
+            await stack.enter_async_context(self._backends())
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _pins(self) -> AsyncIterator[PinStore]:
+        settings = self.config.redis
+        embedded = None
+        url = settings.url
+        if url == "embedded":
+            embedded = EmbeddedValkey(settings.embedded_log)
+            await embedded.start()
+            url = embedded.url
+            log.info("embedded valkey on %s", url)
+        client = aioredis.from_url(
+            url, socket_timeout=settings.timeout, socket_connect_timeout=settings.timeout,
+            retry=Retry(NoBackoff(), 0), decode_responses=True)
+        store = PinStore(client, settings.key_prefix, self.config.routing.session_ttl,
+                         settings.retry_interval, self.metrics)
+        try:
+            yield store
+        finally:
+            await store.aclose()
+            if embedded is not None:
+                await embedded.stop()
+
+    @contextlib.asynccontextmanager
+    async def _backends(self) -> AsyncIterator[None]:
         settings = self.config.health
         async with aiohttp.ClientSession() as probe_session:
             probe = HttpProbe(probe_session, settings.timeout)
@@ -105,6 +146,9 @@ class GatewayApp:
             for m in self.pool.models()
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def _healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "pid": os.getpid()})

@@ -93,11 +93,24 @@ class UpstreamSection(Section):
 
 class RedisSection(Section):
     url: RedisUrl = "embedded"
+    key_prefix: str = "vgw:"
+    # Every Redis call is bounded by this: it is the most Redis can add to a request.
+    timeout: float = Field(default=0.1, gt=0, le=10)
+    retry_interval: float = Field(default=1.0, gt=0, description="probe again after an error")
+    embedded_log: str = "logs/valkey.log"
 
 
 class RoutingSection(Section):
     session_keys: tuple[SessionKey, ...] = ("header:x-session-id", "body:user")
-    policy: Literal["least_loaded"] = "least_loaded"
+    session_key_max_len: int = Field(default=256, ge=1, le=4096)
+    policy: Literal["least_loaded", "round_robin", "prefix"] = "least_loaded"
+    sticky: bool = True
+    session_ttl: float = Field(default=3600.0, gt=0, description="pin lifetime, refreshed on use")
+    prefix_chars: int = Field(default=512, ge=16, description="prompt head to hash")
+    bounded_load_factor: float = Field(default=1.25, ge=1.0, description="prefix policy cap")
+    # Move a session off its backend when that one carries more than this times the
+    # average load; 0 = never.
+    session_max_load_factor: float = Field(default=0.0, ge=0.0)
 
 
 class Config(Section):
@@ -167,6 +180,10 @@ def parse(raw: dict[str, Any]) -> Config:
     problems.extend(_duplicate_names(raw))
     if config is not None:
         problems.extend(_duplicate_ports(config))
+    if (config is not None and config.gateway.workers > 1 and config.routing.sticky
+            and config.redis.url == "embedded"):
+        problems.append("redis.url: workers > 1 share session pins through one Redis: give a "
+                        "redis:// URL, or set routing.sticky = false")
     if config is not None and config.gateway.workers > 1 and any(
         b.spawn for b in config.backends
     ):

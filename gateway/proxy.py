@@ -26,23 +26,24 @@ from gateway.errors import (
 )
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.pool import BackendPool
-from gateway.types import Policy, RequestContext
+from gateway.router import Router
+from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
 
-MAX_SESSION_KEY = 256
 
 
 class Proxy:
     """The ASGI endpoint behind every OpenAI POST route."""
 
     def __init__(
-        self, config: Config, pool: BackendPool, upstream: Upstream, policy: Policy
+        self, config: Config, pool: BackendPool, upstream: Upstream, router: Router
     ) -> None:
         self._pool = pool
         self._upstream = upstream
-        self._policy = policy
+        self._router = router
+        self._max_session_key = config.routing.session_key_max_len
         self._max_body = config.gateway.max_body_bytes
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
@@ -107,6 +108,7 @@ class Proxy:
             session_key=self._session_key(headers, payload),
             body=body,
             headers=headers,
+            payload=payload,
         )
 
     def _session_key(
@@ -119,8 +121,9 @@ class Proxy:
             elif field is not None:
                 value = payload.get(field)
             if isinstance(value, str) and value:
-                if len(value) > MAX_SESSION_KEY:
-                    raise BadRequest(f"session key is longer than {MAX_SESSION_KEY} characters")
+                if len(value) > self._max_session_key:
+                    raise BadRequest(
+                        f"session key is longer than {self._max_session_key} characters")
                 return value
         return None
 
@@ -129,8 +132,7 @@ class Proxy:
         total = loop.time() + self._timeouts.total_timeout
         tried: list[Backend] = []
         for _ in range(self._timeouts.connect_attempts):
-            candidates = [b for b in self._pool.candidates(ctx.model) if b not in tried]
-            backend = self._policy.choose(candidates, ctx)
+            backend = await self._router.choose(ctx, tried)
             if backend is None:
                 break
             backend.in_flight += 1

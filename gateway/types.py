@@ -20,6 +20,7 @@ class RequestContext:
     session_key: str | None
     body: bytes
     headers: list[tuple[bytes, bytes]] = field(repr=False)
+    payload: dict[str, object] = field(default_factory=dict, repr=False)
 
 
 class Policy(Protocol):

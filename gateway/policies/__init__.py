@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from gateway.config import RoutingSection
 from gateway.policies.least_loaded import LeastLoaded
+from gateway.policies.prefix import PrefixAware
+from gateway.policies.round_robin import RoundRobin
 from gateway.types import Policy
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(settings: RoutingSection) -> Policy:
     """The one factory from a canonical config name to a policy."""
-    if name == "least_loaded":
+    if settings.policy == "least_loaded":
         return LeastLoaded()
-    raise ValueError(f"unknown policy {name!r}")
+    if settings.policy == "round_robin":
+        return RoundRobin()
+    if settings.policy == "prefix":
+        return PrefixAware(settings.prefix_chars, settings.bounded_load_factor)
+    raise ValueError(f"unknown policy {settings.policy!r}")
 
 
-__all__ = ["LeastLoaded", "make_policy"]
+__all__ = ["LeastLoaded", "PrefixAware", "RoundRobin", "make_policy"]

@@ -110,7 +110,14 @@ def test_a_backend_is_either_url_or_spawn() -> None:
 
 
 def test_workers_and_spawned_backends_do_not_mix() -> None:
-    assert problems({"gateway": {"workers": 2},
+    assert problems({"gateway": {"workers": 2}, "routing": {"sticky": False},
                      "backends": [{"name": "a", "spawn": {"model": "m", "port": 8101}}]}) == [
         "gateway.workers: spawned backends need workers = 1 (the serving process supervises "
         "them); run them as url backends to use workers"]
+
+
+def test_workers_need_a_shared_redis_for_pins() -> None:
+    assert problems({"gateway": {"workers": 2},
+                     "backends": [{"name": "a", "url": "http://h:1"}]}) == [
+        "redis.url: workers > 1 share session pins through one Redis: give a redis:// URL, "
+        "or set routing.sticky = false"]

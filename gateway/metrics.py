@@ -1,0 +1,25 @@
+"""Prometheus metrics, in a registry of the app's own (no module-level state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sticky = Counter(
+            "gateway_sticky_total", "Session routing outcomes: hit, miss (new pin), repin, "
+            "rebalance (moved off an overloaded backend), fallback (Redis unavailable)",
+            ["result"], registry=r)
+        self.redis_errors = Counter("gateway_redis_errors_total", "Failed Redis calls",
+                                    registry=r)
+        self.redis_up = Gauge("gateway_redis_up", "1 while Redis answers", registry=r)
+        self.redis_latency = Histogram(
+            "gateway_redis_latency_seconds", "Redis round trips",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,47 @@
+"""Prefix-aware: requests whose prompts start alike go to the same backend, where vLLM's
+prefix cache already holds those blocks; consistent hashing with bounded load keeps one
+popular prefix from overloading its backend."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from backends.backend import Backend
+from gateway.hashing import ranked
+from gateway.types import RequestContext
+
+
+def prompt_head(payload: dict[str, object], chars: int) -> bytes:
+    """The leading ``chars`` characters of what the model will read first."""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        size = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+                size += len(content)
+                if size >= chars:
+                    break
+        return "\n".join(parts)[:chars].encode()
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    return str(prompt or "")[:chars].encode()
+
+
+class PrefixAware:
+    def __init__(self, chars: int, load_factor: float) -> None:
+        self._chars = chars
+        self._factor = load_factor
+
+    def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
+        if not candidates:
+            return None
+        # Bounded load: no backend takes more than factor x the average (counting this one).
+        total = sum(b.in_flight for b in candidates) + 1
+        cap = math.ceil(total * self._factor / len(candidates))
+        order = ranked(prompt_head(ctx.payload, self._chars), candidates)
+        return next((b for b in order if b.in_flight < cap), order[0])

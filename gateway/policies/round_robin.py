@@ -1,0 +1,19 @@
+"""Each candidate in turn, whatever its load (the baseline sticky routing is measured against)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backends.backend import Backend
+from gateway.types import RequestContext
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
+        if not candidates:
+            return None
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]

@@ -1,0 +1,67 @@
+"""Which backend takes a request: the session's pin first, else the policy.
+
+Filtering (routable, serves the model, not already tried) happens once here, before any
+policy runs. Pins live in Redis (``PinStore``); when Redis can't answer, sessions are
+spread by rendezvous hashing, which every gateway process computes the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from backends.backend import Backend
+from gateway.config import RoutingSection
+from gateway.hashing import rendezvous
+from gateway.metrics import Metrics
+from gateway.pool import BackendPool
+from gateway.store import PinStore
+from gateway.types import Policy, RequestContext
+
+
+class Router:
+    def __init__(self, pool: BackendPool, policy: Policy, store: PinStore | None,
+                 settings: RoutingSection, metrics: Metrics) -> None:
+        self._pool = pool
+        self._policy = policy
+        self.store = store if settings.sticky else None  # set once Redis is up
+        self._max_load = settings.session_max_load_factor
+        self._sticky = metrics.sticky
+
+    async def choose(self, ctx: RequestContext, exclude: Sequence[Backend] = ()) -> (
+        Backend | None
+    ):
+        candidates = [b for b in self._pool.candidates(ctx.model) if b not in exclude]
+        if not candidates:
+            return None
+        if ctx.session_key is None or self.store is None:
+            return self._policy.choose(candidates, ctx)
+        key = f"{ctx.model}:{ctx.session_key}"
+        answered, pinned = await self.store.get(key)
+        if answered and pinned is None:
+            choice = self._policy.choose(candidates, ctx)
+            assert choice is not None
+            answered, pinned = await self.store.claim(key, choice.name)
+            if answered and pinned is None:
+                self._sticky.labels("miss").inc()
+                return choice
+        if not answered:
+            self._sticky.labels("fallback").inc()
+            return rendezvous(key.encode(), candidates)
+        current = next((b for b in candidates if b.name == pinned), None)
+        if current is not None and not self._overloaded(current, candidates):
+            self._sticky.labels("hit").inc()
+            return current
+        # The pinned backend is gone, unhealthy, draining, tried or overloaded: move the
+        # session on purpose, and keep it where it lands.
+        others = [b for b in candidates if b is not current] or candidates
+        choice = self._policy.choose(others, ctx)
+        assert choice is not None
+        await self.store.repin(key, choice.name)
+        self._sticky.labels("repin" if current is None else "rebalance").inc()
+        return choice
+
+    def _overloaded(self, backend: Backend, candidates: Sequence[Backend]) -> bool:
+        if not self._max_load or len(candidates) < 2:
+            return False
+        average = sum(b.in_flight for b in candidates) / len(candidates)
+        return backend.in_flight > max(1.0, average * self._max_load)
