@@ -1,0 +1,129 @@
+"""The router with a real valkey behind its PinStore."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import RedisServer
+
+from backends.backend import Backend, BackendState
+from backends.spec import BackendSpec
+from gateway.config import RoutingSection
+from gateway.metrics import Metrics
+from gateway.policies import make_policy
+from gateway.pool import BackendPool
+from gateway.router import Router
+from gateway.store import PinStore
+from gateway.types import RequestContext
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path_factory.mktemp("router-redis"))
+    yield s
+    s.stop()
+
+
+def backends(n: int) -> list[Backend]:
+    out = []
+    for i in range(n):
+        b = Backend(BackendSpec(name=f"b{i}", url=f"http://127.0.0.1:{i + 1}"))
+        b.state, b.models = BackendState.READY, frozenset({"m"})
+        out.append(b)
+    return out
+
+
+def ctx(session: str) -> RequestContext:
+    return RequestContext("r", "/v1/chat/completions", "m", False, session, b"", [], {})
+
+
+def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
+        steps: object) -> tuple[list[str], Metrics]:
+    async def main() -> list[str]:
+        client = aioredis.from_url(server.url, decode_responses=True, socket_timeout=0.5)
+        await client.flushall()
+        store = PinStore(client, "t:", settings.session_ttl, 1.0, metrics)
+        router = Router(BackendPool(pool), make_policy(settings), store, settings, metrics)
+        names = await steps(router, client)  # type: ignore[operator]
+        await store.aclose()
+        return names  # type: ignore[no-any-return]
+
+    metrics = Metrics()
+    return asyncio.run(main()), metrics
+
+
+def count(metrics: Metrics, result: str) -> float:
+    return metrics.sticky.labels(result)._value.get()
+
+
+def test_overloaded_pin_is_rebalanced_only_when_the_rule_is_on(server: RedisServer) -> None:
+    async def steps(router: Router, client: object) -> list[str]:
+        first = await router.choose(ctx("s"))
+        assert first is not None
+        first.in_flight = 10  # others idle: far above 2x the average
+        again = await router.choose(ctx("s"))
+        assert again is not None
+        return [first.name, again.name]
+
+    pool = backends(3)
+    off, _ = run(server, pool, RoutingSection(), steps)
+    assert off[0] == off[1]
+    for b in pool:
+        b.in_flight = 0
+    on, metrics = run(server, pool, RoutingSection(session_max_load_factor=2.0), steps)
+    assert on[0] != on[1]
+    assert count(metrics, "rebalance") == 1
+
+
+def test_a_flushed_redis_just_means_new_pins(server: RedisServer) -> None:
+    async def steps(router: Router, client: aioredis.Redis) -> list[str]:
+        first = await router.choose(ctx("f"))
+        await client.flushall()
+        second = await router.choose(ctx("f"))
+        third = await router.choose(ctx("f"))
+        return [b.name for b in (first, second, third) if b is not None]
+
+    names, metrics = run(server, backends(3), RoutingSection(), steps)
+    assert len(names) == 3 and names[1] == names[2]
+    assert count(metrics, "miss") == 2 and count(metrics, "hit") == 1
+
+
+def test_requests_without_a_session_never_touch_redis(server: RedisServer) -> None:
+    async def steps(router: Router, client: aioredis.Redis) -> list[str]:
+        plain = RequestContext("r", "/v1/completions", "m", False, None, b"", [], {})
+        picks = [await router.choose(plain) for _ in range(4)]
+        assert await client.dbsize() == 0
+        return [b.name for b in picks if b is not None]
+
+    names, _ = run(server, backends(2), RoutingSection(), steps)
+    assert sorted(set(names)) == ["b0", "b1"]
+
+
+def test_outage_store_answers_at_once(tmp_path: Path) -> None:
+    dead = RedisServer(tmp_path)
+    dead.stop()
+
+    async def steps(router: Router, client: object) -> list[str]:
+        picks = [await router.choose(ctx(f"k{i}")) for i in range(5)]
+        again = [await router.choose(ctx(f"k{i}")) for i in range(5)]
+        assert picks == again  # rendezvous: same session, same backend
+        return [b.name for b in picks if b is not None]
+
+    async def main() -> list[str]:
+        client = aioredis.from_url(dead.url, decode_responses=True, socket_timeout=0.2,
+                                   socket_connect_timeout=0.2)
+        settings = RoutingSection()
+        store = PinStore(client, "t:", 60, 5.0, metrics)
+        router = Router(BackendPool(backends(3)), make_policy(settings), store, settings,
+                        metrics)
+        return await steps(router, client)
+
+    metrics = Metrics()
+    names = asyncio.run(main())
+    assert len(names) == 5
+    assert metrics.redis_errors._value.get() == 1  # one error, then skipped for 5 s
+    assert count(metrics, "fallback") == 10
