@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = REPO / "models" / "tiny-llama"
 STARTUP = 600
+# A vLLM start takes about a minute here, more under load: far beyond the suite's default.
+pytestmark = pytest.mark.timeout(STARTUP + 300)
 
 
 def vllm_backend(name: str, core: int) -> str:
