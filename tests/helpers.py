@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -150,3 +151,40 @@ class RedisServer:
         if self.popen is not None and self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(10)
+
+
+class Load:
+    """Threads calling ``send`` until the block ends; True per success, False per exception.
+
+        with Load(send, threads=4) as load:
+            ...  # do something disruptive
+        assert load.outcomes and all(load.outcomes)
+    """
+
+    def __init__(self, send: Callable[[], object], threads: int = 2) -> None:
+        self._send = send
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run) for _ in range(threads)]
+        self.outcomes: list[bool] = []
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._send()
+                self.outcomes.append(True)
+            except Exception:
+                self.outcomes.append(False)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    @property
+    def failures(self) -> int:
+        return self.outcomes.count(False)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, wait_for
+from helpers import Gateway, Load, RedisServer, Sim, backend_toml, http_ok, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -133,50 +132,43 @@ def test_a_restarted_gateway_keeps_the_pins(tmp: Path, trio: list[Sim],
 def test_redis_outage_under_load_falls_back_and_recovers(tmp: Path, trio: list[Sim]) -> None:
     server = RedisServer(tmp)
     gws = [Gateway(tmp, sticky_config(trio, server.url), name=f"outage{i}") for i in range(2)]
-    stop = threading.Event()
+    sent = iter(range(10**9))
+
+    def one_request() -> None:
+        i = next(sent)
+        resp = httpx.post(gws[i % 2].url + CHAT, json=BODY,
+                          headers={"x-session-id": f"load-{i % 20}"}, timeout=10)
+        resp.raise_for_status()
+
     try:
         for gw in gws:
             wait_for(lambda gw=gw: http_ok(gw.url + "/readyz"), 10, "gateway ready")
         sessions = [f"o-{i}" for i in range(8)]
-        outcomes: list[int] = []
-
-        def load() -> None:
-            i = 0
-            while not stop.is_set():
-                resp = httpx.post(gws[i % 2].url + CHAT, json=BODY,
-                                  headers={"x-session-id": f"load-{i % 20}"}, timeout=10)
-                outcomes.append(resp.status_code)
-                i += 1
-
-        worker = threading.Thread(target=load)
-        worker.start()
-        wait_for(lambda: len(outcomes) > 20, 10, "load running")
-        server.stop()
-        started = time.monotonic()
-        # Both gateways keep serving, and agree on where each session goes (rendezvous).
-        down = [{s: backend_for(gw, s) for s in sessions} for gw in gws]
-        assert down[0] == down[1]
-        assert time.monotonic() - started < 10
-        for gw in gws:
-            assert metric(gw, "gateway_redis_up") == 0
-            assert metric(gw, "gateway_sticky_total", '{result="fallback"}') >= 1
-            assert gw.proc.output().count("redis unavailable") == 1
-        server.start()
-
-        def redis_back() -> bool:
+        with Load(one_request, threads=1) as load:
+            wait_for(lambda: len(load.outcomes) > 20, 10, "load running")
+            server.stop()
+            started = time.monotonic()
+            # Both gateways keep serving, and agree on where each session goes (rendezvous).
+            down = [{s: backend_for(gw, s) for s in sessions} for gw in gws]
+            assert down[0] == down[1]
+            assert time.monotonic() - started < 10
             for gw in gws:
-                backend_for(gw, "probe")  # a request makes the gateway try Redis again
-            return all(metric(gw, "gateway_redis_up") == 1 for gw in gws)
+                assert metric(gw, "gateway_redis_up") == 0
+                assert metric(gw, "gateway_sticky_total", '{result="fallback"}') >= 1
+                assert gw.proc.output().count("redis unavailable") == 1
+            server.start()
 
-        wait_for(redis_back, 10, "redis back in use")
-        stop.set()
-        worker.join(10)
-        assert len(outcomes) > 40 and set(outcomes) == {200}
+            def redis_back() -> bool:
+                for gw in gws:
+                    backend_for(gw, "probe")  # a request makes the gateway try Redis again
+                return all(metric(gw, "gateway_redis_up") == 1 for gw in gws)
+
+            wait_for(redis_back, 10, "redis back in use")
+        assert len(load.outcomes) > 40 and load.failures == 0
         placed = {s: backend_for(gws[0], s) for s in sessions}
         assert {s: backend_for(gws[1], s) for s in sessions} == placed
         assert all(gw.proc.output().count("redis answers again") == 1 for gw in gws)
     finally:
-        stop.set()
         for gw in gws:
             gw.stop()
         server.stop()

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, free_port, wait_for
+from helpers import Gateway, Load, free_port, wait_for
 
 SIM = '["{python}", "-m", "gateway", "sim", "--port", "{port}", "--model", "{served_model_name}"]'
 # A command that leaves a grandchild behind, to prove process groups are cleaned up.
@@ -183,29 +183,16 @@ def test_drain_waits_for_in_flight_then_restarts(pair: Gateway) -> None:
 
 def test_rolling_restart_under_load_fails_no_request(pair: Gateway) -> None:
     pids = {n: b["pid"] for n, b in status(pair).items()}
-    stop = threading.Event()
-    outcomes: list[bool] = []
 
-    def load() -> None:
-        while not stop.is_set():
-            try:
-                chat(pair, stream=True, extra_headers={"x-sim": "itl=0.02"}).parse().close()
-                outcomes.append(True)
-            except openai.APIError:
-                outcomes.append(False)
+    def one_stream() -> None:
+        for _ in chat(pair, stream=True, extra_headers={"x-sim": "itl=0.02"}).parse():
+            pass
 
-    threads = [threading.Thread(target=load) for _ in range(4)]
-    for t in threads:
-        t.start()
-    try:
+    with Load(one_stream, threads=4) as load:
         resp = httpx.post(pair.url + "/admin/rolling-restart", timeout=120)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
     assert resp.status_code == 200, resp.text
     assert [r["ready"] for r in resp.json()["results"]] == [True, True]
-    assert len(outcomes) > 20 and all(outcomes), f"{outcomes.count(False)} failed"
+    assert len(load.outcomes) > 20 and load.failures == 0, f"{load.failures} failed"
     assert all(status(pair)[n]["pid"] != pid for n, pid in pids.items())
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, free_port, wait_for
+from helpers import Gateway, Load, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -104,31 +103,17 @@ def test_sigkilled_instance_is_restarted_and_back_in_rotation(gw: Gateway) -> No
 
 
 def test_drain_and_restart_under_load_fails_nothing(gw: Gateway) -> None:
-    stop = threading.Event()
-    outcomes: list[bool] = []
+    def one_stream() -> None:
+        for _ in client(gw).chat.completions.create(
+                model="tiny-llama", messages=[{"role": "user", "content": "go"}],
+                max_tokens=16, stream=True):
+            pass
 
-    def load() -> None:
-        while not stop.is_set():
-            try:
-                client(gw).chat.completions.create(
-                    model="tiny-llama", messages=[{"role": "user", "content": "go"}],
-                    max_tokens=16, stream=True).close()
-                outcomes.append(True)
-            except openai.APIError:
-                outcomes.append(False)
-
-    threads = [threading.Thread(target=load) for _ in range(2)]
-    for t in threads:
-        t.start()
-    try:
-        pid = status(gw)["v2"]["pid"]
+    pid = status(gw)["v2"]["pid"]
+    with Load(one_stream, threads=2) as load:
         resp = httpx.post(gw.url + "/admin/backends/v2/drain", json={"then": "restart"},
                           timeout=120)
         assert resp.json()["drained"] is True
         wait_for(lambda: status(gw)["v2"]["state"] == "ready", STARTUP, "v2 back", every=1.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
     assert status(gw)["v2"]["pid"] != pid
-    assert outcomes and all(outcomes), f"{outcomes.count(False)} of {len(outcomes)} failed"
+    assert load.outcomes and load.failures == 0, f"{load.failures} of {len(load.outcomes)}"
