@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from backends.spec import BackendSpec
 
@@ -22,8 +23,8 @@ class Backend:
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("_streak", "flaps", "in_flight", "last_probe", "models", "pid", "restarts",
-                 "spec", "started_at", "state", "url")
+    __slots__ = ("_streak", "busy_until", "flaps", "in_flight", "last_probe", "models", "pid",
+                 "restarts", "spec", "started_at", "state", "url")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -36,6 +37,8 @@ class Backend:
         self.pid: int | None = None
         self.started_at: float | None = None  # monotonic, while a spawned process runs
         self.last_probe: str = "none yet"
+        # A 429/503 with Retry-After means busy, not dead: skipped until then (monotonic).
+        self.busy_until = 0.0
         self._streak = 0  # consecutive probes disagreeing with the current state
 
     @property
@@ -49,7 +52,8 @@ class Backend:
 
     @property
     def routable(self) -> bool:
-        return self.state is BackendState.READY
+        return self.state is BackendState.READY and (
+            not self.busy_until or time.monotonic() >= self.busy_until)
 
     def serves(self, model: str) -> bool:
         return model in self.models

@@ -86,9 +86,12 @@ class UpstreamSection(Section):
     first_byte_timeout: float = Field(default=900.0, gt=0)
     idle_timeout: float = Field(default=300.0, gt=0)
     total_timeout: float = Field(default=3600.0, gt=0)
-    connect_attempts: int = Field(
-        default=2, ge=1, le=10, description="backends tried when a connection can't be made"
-    )
+    # Attempts per request on different backends, before any byte reached the client:
+    # after a refused connection, or a 429/5xx answer.
+    max_attempts: int = Field(default=3, ge=1, le=10)
+    retry_budget_ratio: float = Field(default=0.2, ge=0, le=1)
+    retry_budget_floor: int = Field(default=3, ge=0)
+    retry_backoff: float = Field(default=0.025, ge=0, description="first retry's max delay")
 
 
 class RedisSection(Section):

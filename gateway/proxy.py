@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import orjson
 
@@ -26,6 +27,7 @@ from gateway.errors import (
 )
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.pool import BackendPool
+from gateway.retry import RETRIABLE, RetryBudget, backoff, retry_after
 from gateway.router import Router
 from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
@@ -43,6 +45,8 @@ class Proxy:
         self._pool = pool
         self._upstream = upstream
         self._router = router
+        self._budget = RetryBudget(config.upstream.retry_budget_ratio,
+                                   config.upstream.retry_budget_floor)
         self._max_session_key = config.routing.session_key_max_len
         self._max_body = config.gateway.max_body_bytes
         self._body_timeout = config.gateway.body_timeout
@@ -130,18 +134,33 @@ class Proxy:
     async def _serve(self, ctx: RequestContext, send: Send, deadline: Deadline) -> None:
         loop = asyncio.get_running_loop()
         total = loop.time() + self._timeouts.total_timeout
+        self._budget.deposit()
         tried: list[Backend] = []
-        for _ in range(self._timeouts.connect_attempts):
+        for attempt in range(1, self._timeouts.max_attempts + 1):
             backend = await self._router.choose(ctx, tried)
             if backend is None:
                 break
+            if attempt > 1:
+                pause = backoff(attempt - 1, self._timeouts.retry_backoff)
+                if loop.time() + pause >= total:
+                    break
+                await asyncio.sleep(pause)
+            tried.append(backend)
             backend.in_flight += 1
             try:
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 resp = await self._open(backend, ctx, deadline)
                 if resp is None:
-                    tried.append(backend)
-                    continue
+                    if self._may_retry(ctx, tried, attempt):
+                        continue
+                    break
+                if resp.status in RETRIABLE:
+                    self._note_busy(resp, backend)
+                    if self._may_retry(ctx, tried, attempt):
+                        log.info("request %s: backend %s answered %d, retrying elsewhere",
+                                 ctx.request_id, backend.name, resp.status)
+                        await resp.aclose(reuse=False)
+                        continue
                 deadline.stream(self._timeouts.idle_timeout, total)
                 await self._relay(resp, backend, ctx, send, deadline)
                 return
@@ -152,6 +171,26 @@ class Proxy:
         if not self._pool.known_model(ctx.model):
             raise ModelNotFound(f"The model `{ctx.model}` does not exist.")
         raise NoBackend(f"no healthy backend serves model {ctx.model!r}")
+
+    def _may_retry(self, ctx: RequestContext, tried: list[Backend], attempt: int) -> bool:
+        """Commit to another attempt: one is left, another backend could take it, and the
+        budget pays for it. Nothing reached the client yet, so a retry is invisible."""
+        if attempt >= self._timeouts.max_attempts:
+            return False
+        if not any(b not in tried for b in self._pool.candidates(ctx.model)):
+            return False
+        return self._budget.withdraw()
+
+    @staticmethod
+    def _note_busy(resp: UpstreamResponse, backend: Backend) -> None:
+        if resp.status not in (429, 503):
+            return
+        seconds = retry_after(next((v for k, v in resp.headers
+                                    if k.lower() == b"retry-after"), None))
+        if seconds:
+            backend.busy_until = time.monotonic() + seconds
+            log.warning("backend %s busy: skipped for %.1f s (Retry-After)", backend.name,
+                        seconds)
 
     async def _open(
         self, backend: Backend, ctx: RequestContext, deadline: Deadline

@@ -27,6 +27,7 @@ class _StreamEnded(Exception):
 
 class SimStats:
     def __init__(self) -> None:
+        self.requests = 0  # every completion/embedding request, failed ones included
         self.running = 0
         self.started = 0
         self.completed = 0
@@ -35,6 +36,7 @@ class SimStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "requests": self.requests,
             "running": self.running,
             "started": self.started,
             "completed": self.completed,
@@ -100,6 +102,7 @@ class SimApp:
         """Read and check a request; answer errors itself and return None."""
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         self.stats.last_headers = headers
+        self.stats.requests += 1
         raw = await read_body(receive)
         if raw is None:
             return None
