@@ -222,6 +222,7 @@ class Supervisor:
         deadline = self._clock() + self._spawn.startup_timeout
         while self._clock() < deadline and not exited.done():
             result = await self._probe(self.backend)
+            self.backend.last_probe = "ok" if result.ok else "failed (starting)"
             if result.ok and result.models:
                 self.backend.models = result.models
                 return True
