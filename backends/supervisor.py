@@ -156,7 +156,9 @@ class Supervisor:
         """Run the process once: until it exits, or fails to become ready in time."""
         backend = self.backend
         backend.state = BackendState.STARTING
-        launch = build(self._spawn)
+        # build() may look through site-packages and rss_mb() walks /proc: keep file
+        # reads off the event loop.
+        launch = await asyncio.to_thread(build, self._spawn)
         self._proc = await self._exec(launch)
         backend.pid = self._proc.pid
         backend.started_at = self._clock()
@@ -191,7 +193,7 @@ class Supervisor:
             await asyncio.wait({exited}, timeout=self._settings.policy_interval)
             if exited.done():
                 return exited.result()
-            reason = self._policy_reason()
+            reason = await asyncio.to_thread(self._policy_reason)
             if reason is not None:
                 log.warning("backend %s: %s: draining and restarting", self.backend.name, reason)
                 await drain(self.backend, self._settings.drain_timeout)
