@@ -28,7 +28,8 @@ def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str = PROXY_CORE
     cfg.write_text(f'[gateway]\nlisten = "127.0.0.1:{port}"\nlog_level = "warning"\n'
                    f"workers = {workers}\n"
                    # The workload has no session keys: no Redis needed for a pure proxy run.
-                   "[routing]\nsticky = false\n" + backends)
+                   "[routing]\nsticky = false\n[breaker]\nshare = false\n"
+                   "[degraded]\ncache = false\n" + backends)
     proc = start(core, [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
                  tmp / "gateway.log")
     url = f"http://127.0.0.1:{port}"

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor, drain
+from gateway.breaker import Breakers
 from gateway.pool import BackendPool
 
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -28,9 +29,10 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 
 class Admin:
-    def __init__(self, pool: BackendPool, supervisors: dict[str, Supervisor],
+    def __init__(self, pool: BackendPool, supervisors: dict[str, Supervisor], breakers: Breakers,
                  admin_key: str | None, drain_timeout: float) -> None:
         self._pool = pool
+        self._breakers = breakers
         self._supervisors = supervisors
         self._key = admin_key.encode() if admin_key else None
         self._drain_timeout = drain_timeout
@@ -74,6 +76,7 @@ class Admin:
                 "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
                 "restarts": b.restarts, "in_flight": b.in_flight, "last_probe": b.last_probe,
                 "flaps": b.flaps, "models": sorted(b.models),
+                "breaker": self._breakers.status(b.name),
             }
             for b in self._pool.backends
         ]})

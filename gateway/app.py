@@ -28,13 +28,18 @@ from gateway import logs
 from gateway.admin import Admin
 from gateway.asgi import request_id, send_json
 from gateway.auth import ApiKeyAuth
+from gateway.breaker import Breakers, MetricsListener
+from gateway.breaker_sync import BreakerSync
 from gateway.config import CONFIG_ENV, Config, load
+from gateway.degraded import Degraded
 from gateway.embedded_redis import EmbeddedValkey
 from gateway.errors import StreamAborted, error_body
 from gateway.metrics import Metrics
 from gateway.policies import make_policy
 from gateway.pool import BackendPool
 from gateway.proxy import Proxy
+from gateway.redislink import RedisLink
+from gateway.replies import ReplyCache
 from gateway.router import Router
 from gateway.store import PinStore
 from gateway.upstream import make_upstream
@@ -49,15 +54,20 @@ class GatewayApp:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.pool = BackendPool([Backend(spec) for spec in config.backends])
-        self.upstream = make_upstream(config.upstream)
         self.metrics = Metrics()
+        self.breakers = Breakers(config.breaker, [spec.name for spec in config.backends],
+                                 [MetricsListener(self.metrics)])
+        self.pool = BackendPool([Backend(spec) for spec in config.backends],
+                                self.breakers.allows)
+        self.upstream = make_upstream(config.upstream)
         self.router = Router(self.pool, make_policy(config.routing), None, config.routing,
-                             self.metrics)
-        self.proxy = Proxy(config, self.pool, self.upstream, self.router)
+                             self.metrics, self.breakers)
+        self.replies = ReplyCache(config.degraded)
+        self.proxy = Proxy(config, self.pool, self.upstream, self.router,
+                           Degraded(config.degraded, self.replies, self.metrics), self.metrics)
         self.supervisors: dict[str, Supervisor] = {}
         admin_key = config.gateway.admin_key
-        self.admin = Admin(self.pool, self.supervisors,
+        self.admin = Admin(self.pool, self.supervisors, self.breakers,
                            admin_key.get_secret_value() if admin_key else None,
                            config.supervisor.drain_timeout)
         self._other = Starlette(
@@ -89,13 +99,36 @@ class GatewayApp:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
-            if self.config.routing.sticky:
-                self.router.store = await stack.enter_async_context(self._pins())
+            if self.config.uses_redis:
+                await stack.enter_async_context(self._shared_state())
             await stack.enter_async_context(self._backends())
             yield
 
     @contextlib.asynccontextmanager
-    async def _pins(self) -> AsyncIterator[PinStore]:
+    async def _shared_state(self) -> AsyncIterator[None]:
+        """Pins, breaker openings and cached replies, all through one Redis link."""
+        async with self._redis() as link:
+            if self.config.routing.sticky:
+                self.router.store = PinStore(link, self.config.routing.session_ttl)
+            if self.config.degraded.cache:
+                self.replies.link = link
+            sync = None
+            breaker = self.config.breaker
+            if breaker.enabled and breaker.share:
+                sync = asyncio.create_task(BreakerSync(
+                    link, self.breakers, breaker.reset_timeout, breaker.sync_interval).run(),
+                    name="breaker-sync")
+            try:
+                yield
+            finally:
+                if sync is not None:
+                    sync.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await sync
+                await self.replies.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _redis(self) -> AsyncIterator[RedisLink]:
         settings = self.config.redis
         embedded = None
         url = settings.url
@@ -107,12 +140,11 @@ class GatewayApp:
         client = aioredis.from_url(
             url, socket_timeout=settings.timeout, socket_connect_timeout=settings.timeout,
             retry=Retry(NoBackoff(), 0), decode_responses=True)
-        store = PinStore(client, settings.key_prefix, self.config.routing.session_ttl,
-                         settings.retry_interval, self.metrics)
+        link = RedisLink(client, settings.key_prefix, settings.retry_interval, self.metrics)
         try:
-            yield store
+            yield link
         finally:
-            await store.aclose()
+            await link.aclose()
             if embedded is not None:
                 await embedded.stop()
 

@@ -116,6 +116,36 @@ class RoutingSection(Section):
     session_max_load_factor: float = Field(default=0.0, ge=0.0)
 
 
+class BreakerSection(Section):
+    """One circuit breaker per backend (pybreaker's state machine)."""
+
+    enabled: bool = True
+    failure_threshold: int = Field(default=5, ge=1, description="failures in a row that open it")
+    reset_timeout: float = Field(default=10.0, gt=0, description="seconds open before probing")
+    half_open_probes: int = Field(default=1, ge=1, description="probes in flight when half-open")
+    success_threshold: int = Field(default=1, ge=1, description="probe successes that close it")
+    # When breakers (with health) would leave a model no backend: "route" keeps the least-bad
+    # healthy backends routable; "degrade" answers from the reply cache / static message.
+    panic: Literal["route", "degrade"] = "route"
+    # Breaker openings are shared with other gateway processes through Redis.
+    share: bool = True
+    sync_interval: float = Field(default=0.5, gt=0, le=60)
+
+
+class DegradedSection(Section):
+    """Answers when no backend can: cached earlier replies, else a static message."""
+
+    cache: bool = True
+    cache_ttl: float = Field(default=86400.0, gt=0)
+    cache_max_bytes: int = Field(default=256 * 1024, ge=256, description="largest reply kept")
+    # Only replies to requests at or below this temperature are kept (an absent temperature
+    # counts as 1.0, the OpenAI default): a sampled answer is not "the" answer.
+    cache_max_temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    local_entries: int = Field(default=256, ge=0, description="in-process copies, for Redis loss")
+    static_message: str | None = None
+    retry_after: int = Field(default=5, ge=1, description="Retry-After on the final 503")
+
+
 class Config(Section):
     gateway: GatewaySection = GatewaySection()
     upstream: UpstreamSection = UpstreamSection()
@@ -123,7 +153,14 @@ class Config(Section):
     routing: RoutingSection = RoutingSection()
     health: HealthSettings = HealthSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
+    breaker: BreakerSection = BreakerSection()
+    degraded: DegradedSection = DegradedSection()
     backends: tuple[BackendSpec, ...]
+
+    @property
+    def uses_redis(self) -> bool:
+        return self.routing.sticky or (self.breaker.enabled and self.breaker.share) or (
+            self.degraded.cache)
 
 
 def _message(error: Any) -> str:
@@ -183,10 +220,11 @@ def parse(raw: dict[str, Any]) -> Config:
     problems.extend(_duplicate_names(raw))
     if config is not None:
         problems.extend(_duplicate_ports(config))
-    if (config is not None and config.gateway.workers > 1 and config.routing.sticky
-            and config.redis.url == "embedded"):
-        problems.append("redis.url: workers > 1 share session pins through one Redis: give a "
-                        "redis:// URL, or set routing.sticky = false")
+    if (config is not None and config.gateway.workers > 1 and config.redis.url == "embedded"
+            and config.uses_redis):
+        problems.append("redis.url: workers > 1 share pins, breakers and cached replies through "
+                        "one Redis: give a redis:// URL, or turn those off (routing.sticky, "
+                        "breaker.share, degraded.cache)")
     if config is not None and config.gateway.workers > 1 and any(
         b.spawn for b in config.backends
     ):

@@ -21,5 +21,26 @@ class Metrics:
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
             registry=r)
 
+        self.breaker_state = Gauge(
+            "gateway_breaker_state", "Circuit breaker per backend: 0 closed, 1 half-open, 2 open",
+            ["backend"], registry=r)
+        self.breaker_transitions = Counter(
+            "gateway_breaker_transitions_total", "Circuit breaker state changes",
+            ["backend", "from_state", "to_state"], registry=r)
+        self.retries = Counter(
+            "gateway_retries_total", "Attempts retried on another backend before the first byte",
+            ["reason"], registry=r)
+        self.retry_budget_exhausted = Counter(
+            "gateway_retry_budget_exhausted_total", "Retries refused because the budget was spent",
+            registry=r)
+        self.degraded = Counter(
+            "gateway_degraded_replies_total", "Requests no backend could serve, by what they got: "
+            "cache (an earlier reply), static (the configured message), unavailable (503)",
+            ["kind"], registry=r)
+        self.stream_failures = Counter(
+            "gateway_stream_failures_total", "Replies that failed after their headers went out: "
+            "dropped (connection lost), stalled (idle timeout), inband (error event in a 200)",
+            ["cause"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

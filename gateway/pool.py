@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from backends.backend import Backend
 
 
+def _always(backend: Backend) -> bool:
+    return True
+
+
 class BackendPool:
-    def __init__(self, backends: Sequence[Backend]) -> None:
+    def __init__(self, backends: Sequence[Backend],
+                 allows: Callable[[Backend], bool] = _always) -> None:
         self.backends = list(backends)
+        self.allows = allows  # the circuit breakers' say, wired in by the app
 
     def candidates(self, model: str) -> list[Backend]:
-        """Backends that may take a request for ``model`` now: routable and serving it."""
-        return [b for b in self.backends if b.routable and b.serves(model)]
+        """Backends that may take a request for ``model`` now: routable, serving it, and
+        allowed by their breaker."""
+        return [b for b in self.backends if b.routable and b.serves(model) and self.allows(b)]
+
+    def ejected(self, model: str) -> list[Backend]:
+        """Healthy backends serving ``model`` that only their breaker keeps out."""
+        return [b for b in self.backends
+                if b.routable and b.serves(model) and not self.allows(b)]
 
     def known_model(self, model: str) -> bool:
         return any(b.serves(model) for b in self.backends)

@@ -11,13 +11,14 @@ import orjson
 from backends.asgi import BodyTooLarge, Receive, Scope, Send, cancel_on_disconnect, read_body
 from backends.backend import Backend
 from gateway.asgi import request_id, send_error
+from gateway.breaker import Outcome, Ticket
 from gateway.config import Config
 from gateway.deadline import Deadline
+from gateway.degraded import Degraded
 from gateway.errors import (
     BadRequest,
     GatewayError,
     ModelNotFound,
-    NoBackend,
     PayloadTooLarge,
     RequestTimeout,
     StreamAborted,
@@ -26,6 +27,7 @@ from gateway.errors import (
     sse_error_event,
 )
 from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.metrics import Metrics
 from gateway.pool import BackendPool
 from gateway.retry import RETRIABLE, RetryBudget, backoff, retry_after
 from gateway.router import Router
@@ -34,15 +36,24 @@ from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamRe
 
 log = logging.getLogger("gateway.proxy")
 
+# How vLLM reports a failure inside an HTTP 200 stream. A JSON string can't hold this
+# byte sequence unescaped, so a token can never look like it.
+INBAND_ERROR = b'data: {"error"'
+
 
 
 class Proxy:
     """The ASGI endpoint behind every OpenAI POST route."""
 
     def __init__(
-        self, config: Config, pool: BackendPool, upstream: Upstream, router: Router
+        self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
+        degraded: Degraded, metrics: Metrics,
     ) -> None:
         self._pool = pool
+        self._degraded = degraded
+        self._replies = degraded.cache
+        self._cache_max = config.degraded.cache_max_bytes
+        self._metrics = metrics
         self._upstream = upstream
         self._router = router
         self._budget = RetryBudget(config.upstream.retry_budget_ratio,
@@ -136,10 +147,12 @@ class Proxy:
         total = loop.time() + self._timeouts.total_timeout
         self._budget.deposit()
         tried: list[Backend] = []
+        failure: GatewayError | None = None
         for attempt in range(1, self._timeouts.max_attempts + 1):
-            backend = await self._router.choose(ctx, tried)
-            if backend is None:
+            ticket = await self._router.choose(ctx, tried)
+            if ticket is None:
                 break
+            backend = ticket.backend
             if attempt > 1:
                 pause = backoff(attempt - 1, self._timeouts.retry_backoff)
                 if loop.time() + pause >= total:
@@ -149,48 +162,76 @@ class Proxy:
             backend.in_flight += 1
             try:
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
-                resp = await self._open(backend, ctx, deadline)
+                try:
+                    resp = await self._open(backend, ctx, deadline)
+                except (UpstreamTimeout, UpstreamUnavailable) as exc:
+                    ticket.done(Outcome.FAILURE, exc.message)
+                    failure = exc
+                    break
                 if resp is None:
-                    if self._may_retry(ctx, tried, attempt):
+                    ticket.done(Outcome.FAILURE, "connect")
+                    if self._may_retry(ctx, tried, attempt, "connect"):
                         continue
                     break
-                if resp.status in RETRIABLE:
-                    self._note_busy(resp, backend)
-                    if self._may_retry(ctx, tried, attempt):
+                if resp.status >= 500 or resp.status == 429:
+                    busy = self._note_busy(resp, backend)
+                    ticket.done(Outcome.NEUTRAL if busy or resp.status == 429
+                                else Outcome.FAILURE, f"status {resp.status}")
+                    if resp.status in RETRIABLE and self._may_retry(ctx, tried, attempt,
+                                                                     str(resp.status)):
                         log.info("request %s: backend %s answered %d, retrying elsewhere",
                                  ctx.request_id, backend.name, resp.status)
                         await resp.aclose(reuse=False)
                         continue
+                    if resp.status >= 500 and (found := await self._degraded.find(ctx)):
+                        await resp.aclose(reuse=False)
+                        await self._degraded.send(ctx, send, found,
+                                                  f"backend {backend.name} answered "
+                                                  f"{resp.status}")
+                        return
                 deadline.stream(self._timeouts.idle_timeout, total)
-                await self._relay(resp, backend, ctx, send, deadline)
+                await self._relay(resp, ticket, ctx, send, deadline)
                 return
             finally:
                 backend.in_flight -= 1
-        if tried:
-            raise UpstreamUnavailable(f"no backend for model {ctx.model!r} could be reached")
-        if not self._pool.known_model(ctx.model):
+                ticket.done(Outcome.NEUTRAL)  # no-op once an outcome was given
+        if not tried and not self._pool.known_model(ctx.model):
             raise ModelNotFound(f"The model `{ctx.model}` does not exist.")
-        raise NoBackend(f"no healthy backend serves model {ctx.model!r}")
+        why = (failure.message if failure else
+               f"no backend for model {ctx.model!r} could be reached" if tried else
+               f"no healthy backend serves model {ctx.model!r}")
+        found = await self._degraded.find(ctx)
+        if found is not None:
+            await self._degraded.send(ctx, send, found, why)
+        elif failure is not None:
+            raise failure
+        else:
+            await self._degraded.unavailable(ctx, send, why)
 
-    def _may_retry(self, ctx: RequestContext, tried: list[Backend], attempt: int) -> bool:
+    def _may_retry(self, ctx: RequestContext, tried: list[Backend], attempt: int,
+                   reason: str) -> bool:
         """Commit to another attempt: one is left, another backend could take it, and the
         budget pays for it. Nothing reached the client yet, so a retry is invisible."""
-        if attempt >= self._timeouts.max_attempts:
+        if attempt >= self._timeouts.max_attempts or not self._router.can_retry(ctx, tried):
             return False
-        if not any(b not in tried for b in self._pool.candidates(ctx.model)):
+        if not self._budget.withdraw():
+            self._metrics.retry_budget_exhausted.inc()
             return False
-        return self._budget.withdraw()
+        self._metrics.retries.labels(reason).inc()
+        return True
 
     @staticmethod
-    def _note_busy(resp: UpstreamResponse, backend: Backend) -> None:
+    def _note_busy(resp: UpstreamResponse, backend: Backend) -> bool:
+        """A 429/503 with Retry-After: busy, not broken. Skip the backend that long."""
         if resp.status not in (429, 503):
-            return
+            return False
         seconds = retry_after(next((v for k, v in resp.headers
                                     if k.lower() == b"retry-after"), None))
-        if seconds:
-            backend.busy_until = time.monotonic() + seconds
-            log.warning("backend %s busy: skipped for %.1f s (Retry-After)", backend.name,
-                        seconds)
+        if not seconds:
+            return False
+        backend.busy_until = time.monotonic() + seconds
+        log.warning("backend %s busy: skipped for %.1f s (Retry-After)", backend.name, seconds)
+        return True
 
     async def _open(
         self, backend: Backend, ctx: RequestContext, deadline: Deadline
@@ -212,9 +253,10 @@ class Proxy:
                 f"backend {backend.name} sent no response headers in time") from None
 
     async def _relay(
-        self, resp: UpstreamResponse, backend: Backend, ctx: RequestContext, send: Send,
+        self, resp: UpstreamResponse, ticket: Ticket, ctx: RequestContext, send: Send,
         deadline: Deadline,
     ) -> None:
+        backend = ticket.backend
         content_type = next((v for k, v in resp.headers if k.lower() == b"content-type"), b"")
         stream = content_type.startswith(b"text/event-stream")
         await send({
@@ -222,27 +264,45 @@ class Proxy:
             "status": resp.status,
             "headers": client_response_headers(resp.headers, backend, ctx.request_id, stream),
         })
-        failure = None
+        # Kept for the reply cache: the chunks relayed anyway, by reference, up to the cap.
+        parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(ctx) \
+            else None
+        room = self._cache_max
+        cause = None
         reuse = False
         try:
             while chunk := await resp.read():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 deadline.touch()
+                if stream and INBAND_ERROR in chunk:
+                    cause = "inband"
+                if parts is not None:
+                    parts.append(chunk)
+                    room -= len(chunk)
+                    if room < 0:
+                        parts = None
             reuse = True
         except UpstreamBroken as exc:
-            failure = f"failed: {exc}"
+            cause, detail = "dropped", f"failed: {exc}"
         except asyncio.CancelledError:
             if not deadline.absorb():
                 raise
-            failure = "stalled"
+            cause, detail = "stalled", "stalled"
         finally:
             await resp.aclose(reuse)
-        if failure is not None:
+        if cause is None:
+            ticket.done(Outcome.SUCCESS if resp.status < 400 else Outcome.NEUTRAL)
+            if parts is not None:
+                self._replies.keep(ctx, parts, stream)
+        else:
+            ticket.done(Outcome.FAILURE, cause)
+            self._metrics.stream_failures.labels(cause).inc()
+        if cause in ("dropped", "stalled"):
             log.warning("request %s: backend %s %s mid-response", ctx.request_id,
-                        backend.name, failure)
+                        backend.name, detail)
             if not stream:
-                raise StreamAborted(failure)
-            event = sse_error_event(f"backend {backend.name} {failure} mid-stream",
+                raise StreamAborted(detail)
+            event = sse_error_event(f"backend {backend.name} {detail} mid-stream",
                                     "upstream_error", 502)
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,7 +1,9 @@
 """Which backend takes a request: the session's pin first, else the policy.
 
-Filtering (routable, serves the model, not already tried) happens once here, before any
-policy runs. Pins live in Redis (``PinStore``); when Redis can't answer, sessions are
+Filtering (routable, serves the model, breaker allows, not already tried) happens once
+here, before any policy runs; then the breaker admits the choice and hands out a ticket
+for the outcome. When breakers would leave nothing, the panic rule may offer the
+least-bad backends instead. Pins live in Redis (``PinStore``); when Redis can't answer, sessions are
 spread by rendezvous hashing, which every gateway process computes the same way.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from backends.backend import Backend
+from gateway.breaker import Breakers, Ticket
 from gateway.config import RoutingSection
 from gateway.hashing import rendezvous
 from gateway.metrics import Metrics
@@ -20,21 +23,49 @@ from gateway.types import Policy, RequestContext
 
 class Router:
     def __init__(self, pool: BackendPool, policy: Policy, store: PinStore | None,
-                 settings: RoutingSection, metrics: Metrics) -> None:
+                 settings: RoutingSection, metrics: Metrics, breakers: Breakers) -> None:
         self._pool = pool
+        self._breakers = breakers
         self._policy = policy
         self.store = store if settings.sticky else None  # set once Redis is up
         self._max_load = settings.session_max_load_factor
         self._sticky = metrics.sticky
 
     async def choose(self, ctx: RequestContext, exclude: Sequence[Backend] = ()) -> (
-        Backend | None
+        Ticket | None
     ):
-        candidates = [b for b in self._pool.candidates(ctx.model) if b not in exclude]
-        if not candidates:
-            return None
+        """A backend admitted by its breaker, or None when there is none to try."""
+        exclude = list(exclude)
+        while True:
+            candidates = [b for b in self._pool.candidates(ctx.model) if b not in exclude]
+            if candidates:
+                backend = await self._pick(ctx, candidates)
+                ticket = self._breakers.admit(backend)
+            else:
+                panic = self._panic(ctx, exclude)
+                if not panic:
+                    return None
+                backend = self._policy.choose(panic, ctx) or panic[0]
+                ticket = self._breakers.admit(backend, panic=True)
+            if ticket is not None:
+                return ticket
+            # Its half-open probe slots filled up while we waited on Redis: look again.
+            exclude.append(backend)
+
+    def can_retry(self, ctx: RequestContext, tried: Sequence[Backend]) -> bool:
+        """Is there another backend an attempt could go to?"""
+        return any(b not in tried for b in self._pool.candidates(ctx.model)) or bool(
+            self._panic(ctx, tried))
+
+    def _panic(self, ctx: RequestContext, exclude: Sequence[Backend]) -> list[Backend]:
+        return self._breakers.least_bad(
+            [b for b in self._pool.ejected(ctx.model) if b not in exclude])
+
+    async def _pick(self, ctx: RequestContext, candidates: list[Backend]) -> Backend:
         if ctx.session_key is None or self.store is None:
-            return self._policy.choose(candidates, ctx)
+            choice = self._policy.choose(candidates, ctx)
+            assert choice is not None
+            return choice
         key = f"{ctx.model}:{ctx.session_key}"
         answered, pinned = await self.store.get(key)
         if answered and pinned is None:
@@ -46,7 +77,9 @@ class Router:
                 return choice
         if not answered:
             self._sticky.labels("fallback").inc()
-            return rendezvous(key.encode(), candidates)
+            fallback = rendezvous(key.encode(), candidates)
+            assert fallback is not None
+            return fallback
         current = next((b for b in candidates if b.name == pinned), None)
         if current is not None and not self._overloaded(current, candidates):
             self._sticky.labels("hit").inc()

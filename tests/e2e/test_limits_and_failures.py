@@ -125,7 +125,9 @@ def test_connect_failure_tries_another_backend(tmp: Path) -> None:
         alive.stop()
         with pytest.raises(openai.APIStatusError) as info:
             sdk(gw).chat.completions.create(model="sim-model", messages=MESSAGES)  # type: ignore[arg-type]
-        assert info.value.status_code == 502
+        # Nothing could answer and nothing was cached: 503, and when to come back.
+        assert info.value.status_code == 503
+        assert info.value.response.headers["retry-after"] == "5"
     finally:
         gw.stop()
         alive.stop()

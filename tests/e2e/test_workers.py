@@ -21,7 +21,8 @@ def _alive(pid: int) -> bool:
 
 def test_two_workers_serve_and_stop_with_the_gateway(tmp: Path, sims: tuple[Sim, Sim]) -> None:
     a, _ = sims
-    gw = Gateway(tmp, "workers = 2\n[routing]\nsticky = false\n" + backend_toml("a", a.url),
+    gw = Gateway(tmp, "workers = 2\n[routing]\nsticky = false\n[breaker]\nshare = false\n"
+                 "[degraded]\ncache = false\n" + backend_toml("a", a.url),
                  name="workers")
     try:
         wait_for(lambda: http_ok(gw.url + "/readyz"), 20, "workers ready")

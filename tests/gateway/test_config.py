@@ -110,7 +110,7 @@ def test_a_backend_is_either_url_or_spawn() -> None:
 
 
 def test_workers_and_spawned_backends_do_not_mix() -> None:
-    assert problems({"gateway": {"workers": 2}, "routing": {"sticky": False},
+    assert problems({"gateway": {"workers": 2}, "redis": {"url": "redis://h:1"},
                      "backends": [{"name": "a", "spawn": {"model": "m", "port": 8101}}]}) == [
         "gateway.workers: spawned backends need workers = 1 (the serving process supervises "
         "them); run them as url backends to use workers"]
@@ -119,5 +119,13 @@ def test_workers_and_spawned_backends_do_not_mix() -> None:
 def test_workers_need_a_shared_redis_for_pins() -> None:
     assert problems({"gateway": {"workers": 2},
                      "backends": [{"name": "a", "url": "http://h:1"}]}) == [
-        "redis.url: workers > 1 share session pins through one Redis: give a redis:// URL, "
-        "or set routing.sticky = false"]
+        "redis.url: workers > 1 share pins, breakers and cached replies through one Redis: "
+        "give a redis:// URL, or turn those off (routing.sticky, breaker.share, "
+        "degraded.cache)"]
+
+
+def test_workers_with_embedded_redis_when_nothing_uses_it() -> None:
+    config = parse({"gateway": {"workers": 2}, "routing": {"sticky": False},
+                    "breaker": {"share": False}, "degraded": {"cache": False},
+                    "backends": [{"name": "a", "url": "http://h:1"}]})
+    assert config.gateway.workers == 2 and not config.uses_redis

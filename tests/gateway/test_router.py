@@ -12,10 +12,12 @@ from helpers import RedisServer
 
 from backends.backend import Backend, BackendState
 from backends.spec import BackendSpec
-from gateway.config import RoutingSection
+from gateway.breaker import Breakers
+from gateway.config import BreakerSection, RoutingSection
 from gateway.metrics import Metrics
 from gateway.policies import make_policy
 from gateway.pool import BackendPool
+from gateway.redislink import RedisLink
 from gateway.router import Router
 from gateway.store import PinStore
 from gateway.types import RequestContext
@@ -46,14 +48,22 @@ def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
     async def main() -> list[str]:
         client = aioredis.from_url(server.url, decode_responses=True, socket_timeout=0.5)
         await client.flushall()
-        store = PinStore(client, "t:", settings.session_ttl, 1.0, metrics)
-        router = Router(BackendPool(pool), make_policy(settings), store, settings, metrics)
+        link = RedisLink(client, "t:", 1.0, metrics)
+        store = PinStore(link, settings.session_ttl)
+        breakers = Breakers(BreakerSection(), [b.name for b in pool])
+        router = Router(BackendPool(pool, breakers.allows), make_policy(settings), store,
+                        settings, metrics, breakers)
         names = await steps(router, client)  # type: ignore[operator]
-        await store.aclose()
+        await link.aclose()
         return names  # type: ignore[no-any-return]
 
     metrics = Metrics()
     return asyncio.run(main()), metrics
+
+
+async def pick(router: Router, context: RequestContext) -> Backend | None:
+    ticket = await router.choose(context)
+    return None if ticket is None else ticket.backend
 
 
 def count(metrics: Metrics, result: str) -> float:
@@ -62,10 +72,10 @@ def count(metrics: Metrics, result: str) -> float:
 
 def test_overloaded_pin_is_rebalanced_only_when_the_rule_is_on(server: RedisServer) -> None:
     async def steps(router: Router, client: object) -> list[str]:
-        first = await router.choose(ctx("s"))
+        first = await pick(router, ctx("s"))
         assert first is not None
         first.in_flight = 10  # others idle: far above 2x the average
-        again = await router.choose(ctx("s"))
+        again = await pick(router, ctx("s"))
         assert again is not None
         return [first.name, again.name]
 
@@ -81,10 +91,10 @@ def test_overloaded_pin_is_rebalanced_only_when_the_rule_is_on(server: RedisServ
 
 def test_a_flushed_redis_just_means_new_pins(server: RedisServer) -> None:
     async def steps(router: Router, client: aioredis.Redis) -> list[str]:
-        first = await router.choose(ctx("f"))
+        first = await pick(router, ctx("f"))
         await client.flushall()
-        second = await router.choose(ctx("f"))
-        third = await router.choose(ctx("f"))
+        second = await pick(router, ctx("f"))
+        third = await pick(router, ctx("f"))
         return [b.name for b in (first, second, third) if b is not None]
 
     names, metrics = run(server, backends(3), RoutingSection(), steps)
@@ -95,7 +105,7 @@ def test_a_flushed_redis_just_means_new_pins(server: RedisServer) -> None:
 def test_requests_without_a_session_never_touch_redis(server: RedisServer) -> None:
     async def steps(router: Router, client: aioredis.Redis) -> list[str]:
         plain = RequestContext("r", "/v1/completions", "m", False, None, b"", [], {})
-        picks = [await router.choose(plain) for _ in range(4)]
+        picks = [await pick(router, plain) for _ in range(4)]
         assert await client.dbsize() == 0
         return [b.name for b in picks if b is not None]
 
@@ -108,8 +118,8 @@ def test_outage_store_answers_at_once(tmp_path: Path) -> None:
     dead.stop()
 
     async def steps(router: Router, client: object) -> list[str]:
-        picks = [await router.choose(ctx(f"k{i}")) for i in range(5)]
-        again = [await router.choose(ctx(f"k{i}")) for i in range(5)]
+        picks = [await pick(router, ctx(f"k{i}")) for i in range(5)]
+        again = [await pick(router, ctx(f"k{i}")) for i in range(5)]
         assert picks == again  # rendezvous: same session, same backend
         return [b.name for b in picks if b is not None]
 
@@ -117,9 +127,10 @@ def test_outage_store_answers_at_once(tmp_path: Path) -> None:
         client = aioredis.from_url(dead.url, decode_responses=True, socket_timeout=0.2,
                                    socket_connect_timeout=0.2)
         settings = RoutingSection()
-        store = PinStore(client, "t:", 60, 5.0, metrics)
+        store = PinStore(RedisLink(client, "t:", 5.0, metrics), 60)
+        breakers = Breakers(BreakerSection(enabled=False), [])
         router = Router(BackendPool(backends(3)), make_policy(settings), store, settings,
-                        metrics)
+                        metrics, breakers)
         return await steps(router, client)
 
     metrics = Metrics()

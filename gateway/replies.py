@@ -1,0 +1,108 @@
+"""The reply cache behind degraded answers: earlier successful replies, kept in Redis.
+
+A reply is kept under a hash of the normalized request: the route and every body field
+except those that cannot change the answer (``stream``, ``user``...), with sorted keys, so
+the same question asked streaming or not, by anyone, finds the same answer. Only requests
+the config allows are kept (at or below ``cache_max_temperature``, one choice), each for
+``cache_ttl`` and at most ``cache_max_bytes``. The request path only hands over the chunks
+it relayed anyway; folding, hashing and writing happen afterwards in a task of their own.
+A small in-process copy answers while Redis is away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import orjson
+
+from gateway.config import DegradedSection
+from gateway.redislink import RedisLink
+from gateway.sse import fold
+from gateway.types import RequestContext
+
+log = logging.getLogger("gateway.replies")
+
+CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# Fields that change how or to whom an answer is delivered, not what it says.
+NOT_PART_OF_THE_QUESTION = frozenset({"stream", "stream_options", "user", "metadata", "store",
+                                      "service_tier", "request_id", "priority"})
+
+
+def cache_key(ctx: RequestContext) -> str:
+    question = {k: v for k, v in ctx.payload.items() if k not in NOT_PART_OF_THE_QUESTION}
+    digest = hashlib.sha256(ctx.path.encode() + b"\0" + orjson.dumps(
+        question, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return digest
+
+
+class ReplyCache:
+    def __init__(self, settings: DegradedSection, link: RedisLink | None = None) -> None:
+        self._settings = settings
+        self.link = link  # set once Redis is up
+        self._local: OrderedDict[str, bytes] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def wants(self, ctx: RequestContext) -> bool:
+        """Cheap, on the request path: may this request's reply be kept?"""
+        if not self._settings.cache or ctx.path not in CACHEABLE_PATHS:
+            return False
+        if ctx.path == "/v1/embeddings":
+            return True
+        payload = ctx.payload
+        temperature = payload.get("temperature", 1.0)
+        if temperature is None:
+            temperature = 1.0
+        if not isinstance(temperature, int | float):
+            return False
+        return temperature <= self._settings.cache_max_temperature and payload.get(
+            "n", 1) in (1, None)
+
+    def keep(self, ctx: RequestContext, parts: Sequence[bytes], stream: bool) -> None:
+        """Hand over a finished successful reply; the work happens in a background task."""
+        task = asyncio.create_task(self._keep(ctx, parts, stream), name="reply-cache")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _keep(self, ctx: RequestContext, parts: Sequence[bytes], stream: bool) -> None:
+        data = b"".join(parts)
+        body = fold(ctx.path, data) if stream else data
+        if body is None or len(body) > self._settings.cache_max_bytes:
+            return
+        key = cache_key(ctx)
+        self._remember(key, body)
+        if self.link is not None:
+            link = self.link
+            await link.call(lambda: link.client.set(
+                link.prefix + "reply:" + key, body, px=int(self._settings.cache_ttl * 1000)))
+
+    def _remember(self, key: str, body: bytes) -> None:
+        if self._settings.local_entries <= 0:
+            return
+        self._local[key] = body
+        self._local.move_to_end(key)
+        while len(self._local) > self._settings.local_entries:
+            self._local.popitem(last=False)
+
+    async def lookup(self, ctx: RequestContext) -> bytes | None:
+        if not self.wants(ctx):
+            return None
+        key = cache_key(ctx)
+        if self.link is not None:
+            link = self.link
+            answered, value = await link.call(lambda: link.client.get(
+                link.prefix + "reply:" + key))
+            if answered and value:
+                return value.encode() if isinstance(value, str) else bytes(value)
+        return self._local.get(key)
+
+    async def aclose(self) -> None:
+        """Let replies being written finish (briefly) before the Redis link goes."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1.0)
+
+    def __repr__(self) -> str:
+        return f"<ReplyCache [{len(self._local)} local | {len(self._tasks)} writing]>"
