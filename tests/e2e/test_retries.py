@@ -54,6 +54,10 @@ def test_a_stream_that_failed_after_it_began_is_never_retried(
                       headers={"x-sim": "fault=crash,after=3,error_rate=0"})
     assert resp.status_code == 200 and "mid-stream" in resp.text
     assert bad.stats()["requests"] + good.stats()["requests"] == before + 1
+    # The three events sent before the failure, each once, then the error; no [DONE].
+    assert resp.text.count('"role":"assistant"') == 1
+    assert [resp.text.count(f'"content":" tok{i}"') for i in range(3)] == [1, 1, 0]
+    assert resp.text.count("data: ") == 4 and "[DONE]" not in resp.text
 
 
 def test_all_backends_failing_causes_no_retry_storm(tmp_path: Path) -> None:
