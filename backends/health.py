@@ -79,8 +79,9 @@ class HealthChecker:
         self._on_change = on_change
 
     async def check_all(self) -> None:
-        results = await asyncio.gather(*(self._probe(b) for b in self._backends))
-        for backend, result in zip(self._backends, results, strict=True):
+        backends = list(self._backends)  # the list may change (config reload) while we wait
+        results = await asyncio.gather(*(self._probe(b) for b in backends))
+        for backend, result in zip(backends, results, strict=True):
             self.apply(backend, result)
 
     def apply(self, backend: Backend, result: ProbeResult) -> None:

@@ -129,6 +129,12 @@ class Supervisor:
         await self.restart()
         return drained
 
+    async def drain_and_stop(self) -> bool:
+        """Drain, then stop for good (the backend left the config)."""
+        drained = await drain(self.backend, self._settings.drain_timeout)
+        await self.stop()
+        return drained
+
     async def _run(self) -> None:
         while not self._stopping:
             code = await self._one_life()

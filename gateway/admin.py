@@ -39,15 +39,15 @@ class Admin:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/admin/status", self._guard(self.status), methods=["GET"]),
-            Route("/admin/backends/{name}/drain", self._guard(self.drain), methods=["POST"]),
-            Route("/admin/backends/{name}/restart", self._guard(self.restart), methods=["POST"]),
-            Route("/admin/backends/{name}/stop", self._guard(self.stop), methods=["POST"]),
-            Route("/admin/backends/{name}/start", self._guard(self.start), methods=["POST"]),
-            Route("/admin/rolling-restart", self._guard(self.rolling_restart), methods=["POST"]),
+            Route("/admin/status", self.guard(self.status), methods=["GET"]),
+            Route("/admin/backends/{name}/drain", self.guard(self.drain), methods=["POST"]),
+            Route("/admin/backends/{name}/restart", self.guard(self.restart), methods=["POST"]),
+            Route("/admin/backends/{name}/stop", self.guard(self.stop), methods=["POST"]),
+            Route("/admin/backends/{name}/start", self.guard(self.start), methods=["POST"]),
+            Route("/admin/rolling-restart", self.guard(self.rolling_restart), methods=["POST"]),
         ]
 
-    def _guard(self, handler: Handler) -> Handler:
+    def guard(self, handler: Handler) -> Handler:
         async def guarded(request: Request) -> Response:
             if not self._allowed(request):
                 return _error(401, "admin key required (Authorization: Bearer <admin key>)",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import socket
 import sys
 from typing import Any
 
@@ -66,4 +68,46 @@ def act(config: Config, args: argparse.Namespace) -> int:
     path = (f"/admin/backends/{args.backend}/{args.command}" if args.command != "rolling-restart"
             else "/admin/rolling-restart")
     print(json.dumps(_call(config, "POST", path)))
+    return 0
+
+
+def canary(config: Config, args: argparse.Namespace) -> int:
+    if args.action == "status":
+        data = _call(config, "GET", "/admin/canary")
+        if args.json:
+            print(json.dumps(data, indent=1))
+            return 0
+        state = data["state"]
+        print(f"canary {data['canary']} {state['weight']:g}% (stable {data['stable']} "
+              f"{100 - state['weight']:g}%), step {state['step']}, {state['phase']}"
+              f"{', paused' if state['paused'] else ''}; last change by {state['by']}: "
+              f"{state['why'] or '-'}")
+        for group, w in data["window"].items():
+            print(f"  {group}: {w['requests']} requests, {w['errors']} errors, "
+                  f"TTFT p95 {w['ttft_p95_s']}")
+        return 0
+    body: dict[str, Any] = {"why": args.why, "who": f"{getpass.getuser()}@{socket.gethostname()}"}
+    if args.action == "set":
+        if args.group is None or args.weight is None:
+            print("usage: vllm-gateway canary set GROUP WEIGHT", file=sys.stderr)
+            return 2
+        body.update(group=args.group, weight=args.weight)
+    print(json.dumps(_call(config, "POST", f"/admin/canary/{args.action}", body)))
+    return 0
+
+
+def reload(config: Config, args: argparse.Namespace) -> int:
+    try:
+        with _client(config) as client:
+            resp = client.post("/admin/reload", json={"who": getpass.getuser()})
+    except httpx.HTTPError as exc:
+        print(f"cannot reach the gateway at {config.gateway.listen}: {exc}", file=sys.stderr)
+        return 1
+    data = resp.json()
+    if resp.status_code != 200:
+        for problem in data.get("error", {}).get("problems", []):
+            print(problem, file=sys.stderr)
+        print(data.get("error", {}).get("message", resp.text), file=sys.stderr)
+        return 2
+    print(json.dumps(data))
     return 0

@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -26,19 +28,24 @@ from backends.health import HealthChecker, HttpProbe
 from backends.supervisor import Supervisor
 from gateway import logs
 from gateway.admin import Admin
+from gateway.admin_canary import CanaryAdmin
 from gateway.asgi import request_id, send_json
 from gateway.auth import ApiKeyAuth
 from gateway.breaker import Breakers, MetricsListener
 from gateway.breaker_sync import BreakerSync
-from gateway.config import CONFIG_ENV, Config, load
+from gateway.canary import Canary
+from gateway.canary_sync import ArmStore, CanarySync
+from gateway.config import CONFIG_ENV, Config, ConfigError, load
 from gateway.degraded import Degraded
 from gateway.embedded_redis import EmbeddedValkey
 from gateway.errors import StreamAborted, error_body
 from gateway.metrics import Metrics
+from gateway.names import ModelNames
 from gateway.policies import make_policy
 from gateway.pool import BackendPool
 from gateway.proxy import Proxy
 from gateway.redislink import RedisLink
+from gateway.reload import Reloadable, apply
 from gateway.replies import ReplyCache
 from gateway.router import Router
 from gateway.store import PinStore
@@ -58,18 +65,25 @@ class GatewayApp:
         self.breakers = Breakers(config.breaker, [spec.name for spec in config.backends],
                                  [MetricsListener(self.metrics)])
         self.pool = BackendPool([Backend(spec) for spec in config.backends],
-                                self.breakers.allows)
+                                self.breakers.allows, ModelNames(config.models))
         self.upstream = make_upstream(config.upstream)
+        self.canary = Canary(config.canary, self.metrics)
+        self.canary_sync: CanarySync | None = None
         self.router = Router(self.pool, make_policy(config.routing), None, config.routing,
-                             self.metrics, self.breakers)
+                             self.metrics, self.breakers, self.canary)
         self.replies = ReplyCache(config.degraded)
         self.proxy = Proxy(config, self.pool, self.upstream, self.router,
-                           Degraded(config.degraded, self.replies, self.metrics), self.metrics)
+                           Degraded(config.degraded, self.replies, self.metrics), self.metrics,
+                           self.canary)
         self.supervisors: dict[str, Supervisor] = {}
         admin_key = config.gateway.admin_key
         self.admin = Admin(self.pool, self.supervisors, self.breakers,
                            admin_key.get_secret_value() if admin_key else None,
                            config.supervisor.drain_timeout)
+        self.canary_admin = CanaryAdmin(self.canary, self.admin.guard, self.reload)
+        self.reloadable = Reloadable(self.pool, self.breakers, self.canary, self.supervisors,
+                                     self._supervisor)
+        self.config_path = os.environ.get(CONFIG_ENV)
         self._other = Starlette(
             routes=[
                 Route("/v1/models", self._models, methods=["GET"]),
@@ -77,6 +91,7 @@ class GatewayApp:
                 Route("/readyz", self._readyz, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 *self.admin.routes(),
+                *self.canary_admin.routes(),
             ],
             lifespan=self._lifespan,
         )
@@ -112,19 +127,24 @@ class GatewayApp:
                 self.router.store = PinStore(link, self.config.routing.session_ttl)
             if self.config.degraded.cache:
                 self.replies.link = link
-            sync = None
+            tasks = []
             breaker = self.config.breaker
             if breaker.enabled and breaker.share:
-                sync = asyncio.create_task(BreakerSync(
+                tasks.append(asyncio.create_task(BreakerSync(
                     link, self.breakers, breaker.reset_timeout, breaker.sync_interval).run(),
-                    name="breaker-sync")
+                    name="breaker-sync"))
+            if self.canary.enabled:
+                self.router.arms = ArmStore(link, self.config.routing.session_ttl)
+                self.canary_sync = CanarySync(link, self.canary)
+                self.canary_admin.publish = self.canary_sync.publish
+                await self.canary_sync.sync_once()  # the shared state before any request
+                tasks.append(asyncio.create_task(self.canary_sync.run(), name="canary-sync"))
             try:
                 yield
             finally:
-                if sync is not None:
-                    sync.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await sync
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await self.replies.aclose()
 
     @contextlib.asynccontextmanager
@@ -153,13 +173,18 @@ class GatewayApp:
         settings = self.config.health
         async with aiohttp.ClientSession() as probe_session:
             probe = HttpProbe(probe_session, settings.timeout)
+            self._probe = probe
             for backend in self.pool.backends:
                 if backend.managed:
-                    supervisor = Supervisor(backend, self.config.supervisor, probe)
+                    supervisor = self._supervisor(backend)
                     self.supervisors[backend.name] = supervisor
                     supervisor.start()
             checker = HealthChecker(self.pool.backends, settings, probe)
+            self.reloadable.checker = checker
             await checker.check_all()
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                asyncio.get_running_loop().add_signal_handler(
+                    signal.SIGHUP, lambda: self._spawn(self.reload("SIGHUP")))
             log.info("backends at start: %s", ", ".join(
                 f"{b.name}={b.state.value}" for b in self.pool.backends))
             health = asyncio.create_task(checker.run(), name="health")
@@ -171,6 +196,30 @@ class GatewayApp:
                     await health
                 await asyncio.gather(*(s.stop() for s in self.supervisors.values()))
                 await self.upstream.aclose()
+
+    def _supervisor(self, backend: Backend) -> Supervisor:
+        return Supervisor(backend, self.config.supervisor, self._probe)
+
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.reloadable.background.add(task)
+        task.add_done_callback(self.reloadable.background.discard)
+
+    async def reload(self, who: str) -> tuple[bool, dict[str, Any]]:
+        """Read the config file again and apply what can change while running."""
+        if self.config_path is None:
+            return False, {"error": {"message": "the config path is unknown", "code": "no_path"}}
+        try:
+            new = await asyncio.to_thread(load, self.config_path)
+        except ConfigError as exc:
+            log.error("config reload by %s refused, the running config stays:\n%s", who,
+                      "\n".join(exc.problems))
+            return False, {"error": {"message": "invalid config; the running config stays",
+                                     "type": "invalid_config", "code": "invalid_config",
+                                     "problems": exc.problems}}
+        summary = await apply(self.reloadable, self.config, new, who)
+        self.config = new
+        return True, {"reloaded": True, **summary}
 
     async def _models(self, request: Request) -> Response:
         data = [

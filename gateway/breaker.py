@@ -57,15 +57,22 @@ class BackendFailure(Exception):
 
 @dataclass(slots=True)
 class Ticket:
+    """One attempt on one backend: admitted by its breaker, told its outcome once."""
+
     backend: Backend
     admission: Admission
     breaker: Breaker | None = None
     generation: int = 0
+    outcome: Outcome | None = None
+    status: int = 0  # the backend's HTTP status, once known
+    first_byte: float | None = None  # loop time the first body byte was relayed
 
     def done(self, outcome: Outcome, cause: str = "") -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
         if self.breaker is not None:
             self.breaker.record(self, outcome, cause)
-            self.breaker = None  # report once
 
 
 def _succeed() -> None:
@@ -185,8 +192,21 @@ class Breakers:
                  listeners: Sequence[pybreaker.CircuitBreakerListener] = ()) -> None:
         self.enabled = settings.enabled
         self.panic_route = settings.panic == "route"
-        self.by_name = {n: Breaker(n, settings, listeners) for n in names} if self.enabled \
-            else {}
+        self._settings = settings
+        self._listeners = list(listeners)
+        self.by_name: dict[str, Breaker] = {}
+        for name in names:
+            self.add(name)
+
+    def add(self, name: str) -> None:
+        """A breaker for a new backend (at start, or from a config reload)."""
+        if self.enabled and name not in self.by_name:
+            self.by_name[name] = Breaker(name, self._settings, self._listeners)
+
+    def add_listener(self, listener: pybreaker.CircuitBreakerListener) -> None:
+        self._listeners.append(listener)
+        for breaker in self.by_name.values():
+            breaker.cb.add_listener(listener)
 
     def allows(self, backend: Backend) -> bool:
         breaker = self.by_name.get(backend.name)

@@ -31,8 +31,7 @@ class BreakerSync(pybreaker.CircuitBreakerListener):
         self._reset_timeout = reset_timeout
         self._interval = interval
         self._pending: dict[str, datetime] = {}  # local openings not written yet
-        for breaker in breakers.by_name.values():
-            breaker.cb.add_listener(self)
+        breakers.add_listener(self)
 
     def state_change(self, cb: pybreaker.CircuitBreaker,
                      old_state: pybreaker.CircuitBreakerState | None,

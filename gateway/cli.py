@@ -106,6 +106,10 @@ def _admin(args: argparse.Namespace) -> int:
         return admin_cli.status(config, args)
     if args.command == "drain":
         return admin_cli.drain(config, args)
+    if args.command == "canary":
+        return admin_cli.canary(config, args)
+    if args.command == "reload":
+        return admin_cli.reload(config, args)
     return admin_cli.act(config, args)
 
 
@@ -145,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
                              help="drain and restart every spawned backend, one at a time")
     rolling.add_argument("--config", default="config.toml")
     rolling.set_defaults(func=_admin)
+
+    canary = sub.add_parser("canary", help="the canary rollout: status, set, promote, "
+                                           "rollback, pause, resume")
+    canary.add_argument("action", choices=["status", "set", "promote", "rollback", "pause",
+                                           "resume"])
+    canary.add_argument("group", nargs="?", help="set: the group whose weight is given")
+    canary.add_argument("weight", nargs="?", type=float, help="set: percentage 0-100")
+    canary.add_argument("--why", default="", help="recorded with the change")
+    canary.add_argument("--json", action="store_true")
+    canary.add_argument("--config", default="config.toml")
+    canary.set_defaults(func=_admin)
+    reload = sub.add_parser("reload", help="re-read the config file in the running gateway")
+    reload.add_argument("--config", default="config.toml")
+    reload.set_defaults(func=_admin)
 
     sim = sub.add_parser("sim", help="run the vLLM simulator")
     sim.add_argument("--port", type=int, required=True)

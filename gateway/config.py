@@ -10,7 +10,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
@@ -146,6 +153,49 @@ class DegradedSection(Section):
     retry_after: int = Field(default=5, ge=1, description="Retry-After on the final 503")
 
 
+class ModelRoute(Section):
+    """A model name clients use, and what each group serves it as."""
+
+    name: str = Field(min_length=1)
+    # group -> the served model name in that group; a group not listed serves it as `name`
+    groups: dict[str, str] = Field(default_factory=dict)
+
+
+class RolloutSection(Section):
+    """Automatic, step-wise canary rollout with analysis against the stable group."""
+
+    enabled: bool = False
+    steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)
+    min_requests: int = Field(default=100, ge=1, description="canary requests per step window")
+    interval: float = Field(default=60.0, ge=0, description="least seconds per step")
+    # Roll back when the canary's error rate exceeds stable's by more than this (absolute).
+    max_error_rate_increase: float = Field(default=0.02, ge=0, le=1)
+    # Roll back when the canary's TTFT p95 exceeds stable's times this, plus the slack.
+    max_ttft_p95_ratio: float = Field(default=1.5, ge=1.0)
+    ttft_slack_ms: float = Field(default=50.0, ge=0)
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, steps: tuple[float, ...]) -> tuple[float, ...]:
+        if not steps or any(not 0 < s <= 100 for s in steps) or list(steps) != sorted(
+                set(steps)):
+            raise ValueError("must be increasing percentages in (0, 100]")
+        return steps
+
+
+class CanarySection(Section):
+    """One canary group rolled out against one stable group."""
+
+    enabled: bool = False
+    stable: str = "stable"
+    group: str = "canary"
+    weight: float = Field(default=0.0, ge=0, le=100, description="canary percentage at start")
+    shadow: float = Field(default=0.0, ge=0, le=100,
+                          description="percentage of stable traffic mirrored to the canary")
+    sync_interval: float = Field(default=0.25, gt=0, le=5)
+    rollout: RolloutSection = RolloutSection()
+
+
 class Config(Section):
     gateway: GatewaySection = GatewaySection()
     upstream: UpstreamSection = UpstreamSection()
@@ -155,12 +205,14 @@ class Config(Section):
     supervisor: SupervisorSettings = SupervisorSettings()
     breaker: BreakerSection = BreakerSection()
     degraded: DegradedSection = DegradedSection()
+    canary: CanarySection = CanarySection()
+    models: tuple[ModelRoute, ...] = ()
     backends: tuple[BackendSpec, ...]
 
     @property
     def uses_redis(self) -> bool:
         return self.routing.sticky or (self.breaker.enabled and self.breaker.share) or (
-            self.degraded.cache)
+            self.degraded.cache) or self.canary.enabled
 
 
 def _message(error: Any) -> str:
@@ -208,6 +260,26 @@ def _duplicate_ports(config: Config) -> list[str]:
     return problems
 
 
+def _group_problems(config: Config) -> list[str]:
+    groups = {b.group for b in config.backends}
+    problems = []
+    canary = config.canary
+    if canary.enabled:
+        for key, name in (("stable", canary.stable), ("group", canary.group)):
+            if name not in groups:
+                problems.append(f"canary.{key}: no backend is in group {name!r}")
+        if canary.stable == canary.group:
+            problems.append("canary.group: must differ from canary.stable")
+    seen: set[str] = set()
+    for i, route in enumerate(config.models):
+        if route.name in seen:
+            problems.append(f"models.{i}.name: duplicate model {route.name!r}")
+        seen.add(route.name)
+        problems.extend(f"models.{i}.groups.{g}: no backend is in group {g!r}"
+                        for g in route.groups if g not in groups)
+    return problems
+
+
 def parse(raw: dict[str, Any]) -> Config:
     problems: list[str] = []
     config = None
@@ -230,6 +302,8 @@ def parse(raw: dict[str, Any]) -> Config:
     ):
         problems.append("gateway.workers: spawned backends need workers = 1 (the serving "
                         "process supervises them); run them as url backends to use workers")
+    if config is not None:
+        problems.extend(_group_problems(config))
     if raw.get("backends") == []:
         problems.append("backends: at least one backend is required")
     if problems or config is None:

@@ -42,5 +42,24 @@ class Metrics:
             "dropped (connection lost), stalled (idle timeout), inband (error event in a 200)",
             ["cause"], registry=r)
 
+        self.group_requests = Counter(
+            "gateway_group_requests_total", "Upstream attempts per backend group, by outcome: "
+            "ok, error (5xx, connect, timeout, broken stream), client_error (4xx)",
+            ["group", "outcome"], registry=r)
+        self.group_ttft = Histogram(
+            "gateway_group_ttft_seconds", "Time to the first byte relayed, per backend group",
+            ["group"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                                30.0, 60.0), registry=r)
+        self.canary_weight = Gauge("gateway_canary_weight", "Traffic percentage per group",
+                                   ["group"], registry=r)
+        self.canary_step = Gauge("gateway_canary_step", "Rollout step index (-1: set by hand)",
+                                 registry=r)
+        self.canary_decisions = Counter(
+            "gateway_canary_decisions_total", "Rollout analysis verdicts: advance, rollback",
+            ["decision"], registry=r)
+        self.shadow_requests = Counter(
+            "gateway_shadow_requests_total", "Requests mirrored to the canary, by outcome",
+            ["outcome"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from backends.backend import Backend
+from gateway.names import ModelNames
 
 
 def _always(backend: Backend) -> bool:
@@ -13,26 +14,35 @@ def _always(backend: Backend) -> bool:
 
 class BackendPool:
     def __init__(self, backends: Sequence[Backend],
-                 allows: Callable[[Backend], bool] = _always) -> None:
+                 allows: Callable[[Backend], bool] = _always,
+                 names: ModelNames | None = None) -> None:
         self.backends = list(backends)
         self.allows = allows  # the circuit breakers' say, wired in by the app
+        self.names = names or ModelNames()
 
-    def candidates(self, model: str) -> list[Backend]:
-        """Backends that may take a request for ``model`` now: routable, serving it, and
-        allowed by their breaker."""
-        return [b for b in self.backends if b.routable and b.serves(model) and self.allows(b)]
+    def _serves(self, b: Backend, model: str, group: str | None) -> bool:
+        if group is not None and b.spec.group != group:
+            return False
+        return b.serves(self.names.served(model, b.spec.group) if self.names else model)
 
-    def ejected(self, model: str) -> list[Backend]:
+    def candidates(self, model: str, group: str | None = None) -> list[Backend]:
+        """Backends that may take a request for the client's ``model`` now (in ``group``
+        when given): routable, serving it, and allowed by their breaker."""
+        return [b for b in self.backends
+                if b.routable and self._serves(b, model, group) and self.allows(b)]
+
+    def ejected(self, model: str, group: str | None = None) -> list[Backend]:
         """Healthy backends serving ``model`` that only their breaker keeps out."""
         return [b for b in self.backends
-                if b.routable and b.serves(model) and not self.allows(b)]
+                if b.routable and self._serves(b, model, group) and not self.allows(b)]
 
-    def known_model(self, model: str) -> bool:
-        return any(b.serves(model) for b in self.backends)
+    def known_model(self, model: str, group: str | None = None) -> bool:
+        return any(self._serves(b, model, group) for b in self.backends)
 
     def models(self) -> list[str]:
-        """The union of models over routable backends, in a stable order."""
-        return sorted({m for b in self.backends if b.routable for m in b.models})
+        """The union of models over routable backends, by the names clients use."""
+        return sorted({self.names.client(b.spec.group, m)
+                       for b in self.backends if b.routable for m in b.models})
 
     @property
     def ready(self) -> bool:

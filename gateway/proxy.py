@@ -12,6 +12,7 @@ from backends.asgi import BodyTooLarge, Receive, Scope, Send, cancel_on_disconne
 from backends.backend import Backend
 from gateway.asgi import request_id, send_error
 from gateway.breaker import Outcome, Ticket
+from gateway.canary import Canary
 from gateway.config import Config
 from gateway.deadline import Deadline
 from gateway.degraded import Degraded
@@ -28,9 +29,11 @@ from gateway.errors import (
 )
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.metrics import Metrics
+from gateway.names import ModelNames
 from gateway.pool import BackendPool
 from gateway.retry import RETRIABLE, RetryBudget, backoff, retry_after
 from gateway.router import Router
+from gateway.shadow import Shadow, Tally
 from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
@@ -47,9 +50,14 @@ class Proxy:
 
     def __init__(
         self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
-        degraded: Degraded, metrics: Metrics,
+        degraded: Degraded, metrics: Metrics, canary: Canary,
     ) -> None:
         self._pool = pool
+        self._names = pool.names
+        self._canary = canary
+        self._tally = Tally(metrics, canary)
+        self._shadow = Shadow(upstream, router, pool.names, canary, metrics,
+                              config.upstream.total_timeout)
         self._degraded = degraded
         self._replies = degraded.cache
         self._cache_max = config.degraded.cache_max_bytes
@@ -91,13 +99,17 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         watcher = cancel_on_disconnect(receive)
+        ctx = None
         try:
-            await self._serve(self._context(scope, body, rid), send, deadline)
+            ctx = self._context(scope, body, rid)
+            await self._serve(ctx, send, deadline)
         except GatewayError as exc:
             await send_error(send, exc, rid)
         except asyncio.CancelledError:
             if watcher.done() and task.uncancel() == 0:
                 log.info("request %s: client disconnected, upstream cancelled", rid)
+                if ctx is not None and ctx.shadow is not None:
+                    ctx.shadow.cancel()  # the mirror goes with the client
                 return
             raise
         finally:
@@ -144,8 +156,13 @@ class Proxy:
 
     async def _serve(self, ctx: RequestContext, send: Send, deadline: Deadline) -> None:
         loop = asyncio.get_running_loop()
-        total = loop.time() + self._timeouts.total_timeout
+        started = loop.time()
+        total = started + self._timeouts.total_timeout
         self._budget.deposit()
+        if self._canary.enabled:
+            await self._router.assign_arm(ctx)
+            if ctx.group == self._canary.stable and self._canary.shadow():
+                ctx.shadow = self._shadow.mirror(ctx)
         tried: list[Backend] = []
         failure: GatewayError | None = None
         for attempt in range(1, self._timeouts.max_attempts + 1):
@@ -173,6 +190,7 @@ class Proxy:
                     if self._may_retry(ctx, tried, attempt, "connect"):
                         continue
                     break
+                ticket.status = resp.status
                 if resp.status >= 500 or resp.status == 429:
                     busy = self._note_busy(resp, backend)
                     ticket.done(Outcome.NEUTRAL if busy or resp.status == 429
@@ -190,11 +208,12 @@ class Proxy:
                                                   f"{resp.status}")
                         return
                 deadline.stream(self._timeouts.idle_timeout, total)
-                await self._relay(resp, ticket, ctx, send, deadline)
+                await self._relay(resp, ticket, ctx, send, deadline, loop)
                 return
             finally:
                 backend.in_flight -= 1
                 ticket.done(Outcome.NEUTRAL)  # no-op once an outcome was given
+                self._tally.attempt(ticket, started)
         if not tried and not self._pool.known_model(ctx.model):
             raise ModelNotFound(f"The model `{ctx.model}` does not exist.")
         why = (failure.message if failure else
@@ -238,8 +257,9 @@ class Proxy:
     ) -> UpstreamResponse | None:
         """Send the request; None when no connection could be made (try another backend)."""
         headers = upstream_request_headers(ctx.headers, backend, ctx.request_id)
+        body = self._names.body_for(ctx, backend.spec.group)
         try:
-            return await self._upstream.request("POST", backend.url + ctx.path, headers, ctx.body)
+            return await self._upstream.request("POST", backend.url + ctx.path, headers, body)
         except ConnectFailed as exc:
             log.warning("request %s: backend %s unreachable: %s", ctx.request_id, backend.name,
                         exc)
@@ -254,7 +274,7 @@ class Proxy:
 
     async def _relay(
         self, resp: UpstreamResponse, ticket: Ticket, ctx: RequestContext, send: Send,
-        deadline: Deadline,
+        deadline: Deadline, loop: asyncio.AbstractEventLoop,
     ) -> None:
         backend = ticket.backend
         content_type = next((v for k, v in resp.headers if k.lower() == b"content-type"), b"")
@@ -268,10 +288,17 @@ class Proxy:
         parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(ctx) \
             else None
         room = self._cache_max
+        # The group serves the model under another name: give the client its own back.
+        served = self._names.served(ctx.model, backend.spec.group)
+        old, new = ModelNames.rewrite(served, ctx.model) if served != ctx.model else (b"", b"")
         cause = None
         reuse = False
         try:
-            while chunk := await resp.read():
+            chunk = await resp.read()
+            ticket.first_byte = loop.time()
+            while chunk:
+                if old:
+                    chunk = chunk.replace(old, new)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 deadline.touch()
                 if stream and INBAND_ERROR in chunk:
@@ -281,6 +308,7 @@ class Proxy:
                     room -= len(chunk)
                     if room < 0:
                         parts = None
+                chunk = await resp.read()
             reuse = True
         except UpstreamBroken as exc:
             cause, detail = "dropped", f"failed: {exc}"

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from backends.backend import Backend
 from gateway.breaker import Breakers, Ticket
+from gateway.canary import Canary
+from gateway.canary_sync import ArmStore
 from gateway.config import RoutingSection
 from gateway.hashing import rendezvous
 from gateway.metrics import Metrics
@@ -23,9 +25,12 @@ from gateway.types import Policy, RequestContext
 
 class Router:
     def __init__(self, pool: BackendPool, policy: Policy, store: PinStore | None,
-                 settings: RoutingSection, metrics: Metrics, breakers: Breakers) -> None:
+                 settings: RoutingSection, metrics: Metrics, breakers: Breakers,
+                 canary: Canary | None = None) -> None:
         self._pool = pool
         self._breakers = breakers
+        self._canary = canary
+        self.arms: ArmStore | None = None  # set once Redis is up
         self._policy = policy
         self.store = store if settings.sticky else None  # set once Redis is up
         self._max_load = settings.session_max_load_factor
@@ -37,7 +42,8 @@ class Router:
         """A backend admitted by its breaker, or None when there is none to try."""
         exclude = list(exclude)
         while True:
-            candidates = [b for b in self._pool.candidates(ctx.model) if b not in exclude]
+            candidates = [b for b in self._pool.candidates(ctx.model, ctx.group)
+                          if b not in exclude]
             if candidates:
                 backend = await self._pick(ctx, candidates)
                 ticket = self._breakers.admit(backend)
@@ -54,12 +60,38 @@ class Router:
 
     def can_retry(self, ctx: RequestContext, tried: Sequence[Backend]) -> bool:
         """Is there another backend an attempt could go to?"""
-        return any(b not in tried for b in self._pool.candidates(ctx.model)) or bool(
+        return any(b not in tried for b in self._pool.candidates(ctx.model, ctx.group)) or bool(
             self._panic(ctx, tried))
 
     def _panic(self, ctx: RequestContext, exclude: Sequence[Backend]) -> list[Backend]:
         return self._breakers.least_bad(
-            [b for b in self._pool.ejected(ctx.model) if b not in exclude])
+            [b for b in self._pool.ejected(ctx.model, ctx.group) if b not in exclude])
+
+    async def assign_arm(self, ctx: RequestContext) -> None:
+        """Put the request in a canary arm (``ctx.group``): a session keeps the arm it was
+        first given while that arm has weight; other requests are drawn by weight."""
+        canary = self._canary
+        if canary is None or not canary.enabled:
+            return
+        if ctx.session_key is None:
+            drawn = canary.draw()
+        else:
+            drawn = canary.draw_for(f"{ctx.model}:{ctx.session_key}")
+        if not self._pool.known_model(ctx.model, drawn):
+            other = canary.stable if drawn == canary.group else canary.group
+            ctx.group = other if self._pool.known_model(ctx.model, other) else None
+            return
+        ctx.group = drawn
+        if ctx.session_key is None or self.arms is None:
+            return
+        key = f"{ctx.model}:{ctx.session_key}"
+        answered, stored = await self.arms.claim(key, drawn)
+        if not answered or stored is None or stored == drawn:
+            return
+        if canary.weight_of(stored) > 0 and self._pool.known_model(ctx.model, stored):
+            ctx.group = stored
+        else:  # its arm was removed: the session moves, once, and stays
+            await self.arms.move(key, drawn)
 
     async def _pick(self, ctx: RequestContext, candidates: list[Backend]) -> Backend:
         if ctx.session_key is None or self.store is None:

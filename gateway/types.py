@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -21,6 +22,8 @@ class RequestContext:
     body: bytes
     headers: list[tuple[bytes, bytes]] = field(repr=False)
     payload: dict[str, object] = field(default_factory=dict, repr=False)
+    group: str | None = None  # the canary arm (backend group), when a rollout is on
+    shadow: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
 class Policy(Protocol):

@@ -1,0 +1,40 @@
+"""Model names: what clients send, and what each backend group serves it as."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import orjson
+
+from gateway.config import ModelRoute
+from gateway.types import RequestContext
+
+
+class ModelNames:
+    def __init__(self, routes: Sequence[ModelRoute] = ()) -> None:
+        self._served = {(r.name, g): s for r in routes for g, s in r.groups.items()}
+        self._client = {(g, s): r.name for r in routes for g, s in r.groups.items()}
+
+    def served(self, model: str, group: str) -> str:
+        """The name ``group`` serves the client's ``model`` under."""
+        return self._served.get((model, group), model) if self._served else model
+
+    def client(self, group: str, served: str) -> str:
+        """The name clients use for what ``group`` serves as ``served``."""
+        return self._client.get((group, served), served) if self._client else served
+
+    def body_for(self, ctx: RequestContext, group: str) -> bytes:
+        """The request body as ``group`` must see it (its own model name)."""
+        served = self.served(ctx.model, group)
+        if served == ctx.model:
+            return ctx.body
+        return orjson.dumps({**ctx.payload, "model": served})
+
+    @staticmethod
+    def rewrite(served: str, model: str) -> tuple[bytes, bytes]:
+        """The bytes to replace in a reply so it names the client's model again (vLLM and
+        the simulator write compact JSON: ``"model":"NAME"``)."""
+        return b'"model":' + orjson.dumps(served), b'"model":' + orjson.dumps(model)
+
+    def __bool__(self) -> bool:
+        return bool(self._served)

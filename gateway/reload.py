@@ -1,0 +1,113 @@
+"""Config hot reload: backends, groups, model names and canary settings, without dropping
+a stream. An invalid file is refused with the same ``dotted.key: message`` report and the
+running config stays.
+
+Backends are matched by name. An unchanged one keeps its state; a new one starts like at
+start-up; a removed one is taken out of rotation at once (requests already on it finish;
+a spawned one is drained, then stopped); a changed one is both. Settings that only a
+restart can apply (listen address, workers, Redis, timeouts...) are reported, not applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.backend import Backend, BackendState
+from backends.health import HealthChecker
+from backends.supervisor import Supervisor
+from gateway.breaker import Breakers
+from gateway.canary import Canary
+from gateway.config import Config
+from gateway.names import ModelNames
+from gateway.pool import BackendPool
+
+log = logging.getLogger("gateway.reload")
+
+APPLIED = ("backends", "models", "canary")
+
+
+@dataclass
+class Reloadable:
+    """The parts of a running gateway a reload may change."""
+
+    pool: BackendPool
+    breakers: Breakers
+    canary: Canary
+    supervisors: dict[str, Supervisor]
+    make_supervisor: Callable[[Backend], Supervisor]
+    checker: HealthChecker | None = None
+    background: set[asyncio.Future[object]] = field(default_factory=set)
+
+
+async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[str, object]:
+    before = {b.name: b for b in parts.pool.backends}
+    wanted = {spec.name: spec for spec in new.backends}
+    kept, added, removed = [], [], []
+    backends: list[Backend] = []
+    for spec in new.backends:
+        current = before.get(spec.name)
+        if current is not None and current.spec == spec:
+            backends.append(current)
+            kept.append(spec.name)
+            continue
+        if current is not None:
+            removed.append(current)
+        backend = Backend(spec)
+        backends.append(backend)
+        added.append(backend)
+    removed += [b for name, b in before.items() if name not in wanted]
+    parts.pool.backends[:] = backends  # the same list the health checker walks
+    parts.pool.names = ModelNames(new.models)
+    retiring = {b.name: _retire(parts, b) for b in removed}
+    for backend in added:
+        parts.breakers.add(backend.name)
+        if backend.managed:
+            _start_after(parts, backend, retiring.get(backend.name))
+    if parts.checker is not None and added:
+        await parts.checker.check_all()  # new url backends route at once, not after a tick
+    _canary(parts.canary, old, new, who)
+    later = sorted(k for k in type(new).model_fields
+                   if k not in APPLIED and getattr(old, k) != getattr(new, k))
+    summary: dict[str, object] = {
+        "kept": kept, "added": [b.name for b in added], "removed": [b.name for b in removed],
+        "needs_restart": later}
+    log.warning("config reloaded by %s: %s", who, summary)
+    return summary
+
+
+def _retire(parts: Reloadable, backend: Backend) -> asyncio.Future[object] | None:
+    supervisor = parts.supervisors.pop(backend.name, None)
+    if supervisor is None:
+        backend.state = BackendState.STOPPED
+        return None
+    return _background(parts, supervisor.drain_and_stop())
+
+
+def _start_after(parts: Reloadable, backend: Backend,
+                 predecessor: asyncio.Future[object] | None) -> None:
+    supervisor = parts.make_supervisor(backend)
+    parts.supervisors[backend.name] = supervisor
+
+    async def start() -> None:
+        if predecessor is not None:
+            await predecessor  # the old process holds the port until it stopped
+        supervisor.start()
+
+    _background(parts, start())
+
+
+def _background(parts: Reloadable, coro: Coroutine[Any, Any, object]) -> asyncio.Future[object]:
+    task = asyncio.ensure_future(coro)
+    parts.background.add(task)
+    task.add_done_callback(parts.background.discard)
+    return task
+
+
+def _canary(canary: Canary, old: Config, new: Config, who: str) -> None:
+    canary.settings = new.canary
+    if new.canary.weight != old.canary.weight:
+        canary.change(who, "config reload", weight=new.canary.weight, phase="manual", step=-1)

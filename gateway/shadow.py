@@ -1,0 +1,113 @@
+"""Per-group accounting of attempts, and shadow requests mirrored to the canary group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+
+from gateway.breaker import Outcome, Ticket
+from gateway.canary import Canary
+from gateway.headers import upstream_request_headers
+from gateway.metrics import Metrics
+from gateway.names import ModelNames
+from gateway.router import Router
+from gateway.types import RequestContext
+from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
+
+log = logging.getLogger("gateway.shadow")
+
+class Tally:
+    """Counts every attempt for its backend's group (metrics, and the canary's windows)."""
+
+    def __init__(self, metrics: Metrics, canary: Canary) -> None:
+        self._requests = metrics.group_requests
+        self._ttft = metrics.group_ttft
+        self._canary = canary
+
+    def attempt(self, ticket: Ticket, started: float) -> None:
+        group = ticket.backend.spec.group
+        outcome = ticket.outcome
+        if outcome is Outcome.FAILURE:
+            label = "error"
+        elif outcome is Outcome.SUCCESS:
+            label = "ok"
+        elif 400 <= ticket.status < 500 and ticket.status != 429:
+            label = "client_error"
+        else:
+            label = "other"  # busy, or the client left
+        self._requests.labels(group, label).inc()
+        ttft = None
+        if ticket.first_byte is not None and label == "ok":
+            ttft = ticket.first_byte - started
+            self._ttft.labels(group).observe(ttft)
+        if self._canary.enabled and label != "other":
+            self._canary.observe(group, label == "error", ttft)
+
+
+class Shadow:
+    """Mirrors a request to the canary group; the answer is read and thrown away."""
+
+    def __init__(self, upstream: Upstream, router: Router, names: ModelNames, canary: Canary,
+                 metrics: Metrics, timeout: float) -> None:
+        self._upstream = upstream
+        self._router = router
+        self._names = names
+        self._canary = canary
+        self._counter = metrics.shadow_requests
+        self._tally = Tally(metrics, canary)
+        self._timeout = timeout
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def mirror(self, ctx: RequestContext) -> asyncio.Task[None]:
+        copy = dataclasses.replace(ctx, group=self._canary.group, session_key=None,
+                                   shadow=None, request_id=ctx.request_id + "-shadow")
+        task = asyncio.create_task(self._run(copy), name="shadow")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _run(self, ctx: RequestContext) -> None:
+        ticket = await self._router.choose(ctx)
+        if ticket is None:
+            self._counter.labels("no_backend").inc()
+            return
+        backend = ticket.backend
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        backend.in_flight += 1
+        try:
+            async with asyncio.timeout(self._timeout):
+                resp = await self._upstream.request(
+                    "POST", backend.url + ctx.path,
+                    upstream_request_headers(ctx.headers, backend, ctx.request_id),
+                    self._names.body_for(ctx, backend.spec.group))
+                ticket.status = resp.status
+                try:
+                    chunk = await resp.read()
+                    ticket.first_byte = loop.time()
+                    while chunk:
+                        chunk = await resp.read()
+                finally:
+                    await resp.aclose(reuse=False)
+            failed = resp.status >= 500
+            ticket.done(Outcome.FAILURE if failed else Outcome.SUCCESS if resp.status < 400
+                        else Outcome.NEUTRAL)
+            self._counter.labels("error" if failed else "ok").inc()
+        except (ConnectFailed, UpstreamBroken, TimeoutError) as exc:
+            ticket.done(Outcome.FAILURE, type(exc).__name__)
+            self._counter.labels("error").inc()
+        except asyncio.CancelledError:
+            self._counter.labels("cancelled").inc()
+            raise
+        finally:
+            backend.in_flight -= 1
+            ticket.done(Outcome.NEUTRAL)
+            self._tally.attempt(ticket, started)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
