@@ -39,9 +39,23 @@ class SupervisorSettings(BaseModel):
     log_backups: int = Field(default=3, ge=0)
     drain_timeout: float = Field(default=60.0, gt=0, description="wait for in-flight requests")
     policy_interval: float = Field(default=5.0, gt=0, description="max_uptime/max_rss checks")
+    # Start spawned backends one after another, each once the previous is ready (several
+    # vLLM instances on one GPU: each one's start-up memory check must see the others).
+    sequential_start: bool = False
 
 
 PLANNED = "planned restart"
+
+
+async def start_in_turn(supervisors: list[Supervisor], poll: float = 0.5) -> None:
+    """Start each supervisor once the previous backend is ready (or has given up)."""
+    settled = (BackendState.READY, BackendState.FAILED, BackendState.STOPPED)
+    for supervisor in supervisors:
+        supervisor.start()
+        backend = supervisor.backend
+        while backend.state not in settled:  # noqa: ASYNC110 (a state, not an event)
+            await asyncio.sleep(poll)
+        log.info("backend %s: %s; starting the next one", backend.name, backend.state.value)
 
 
 async def drain(backend: Backend, within: float, poll: float = 0.05) -> bool:

