@@ -125,15 +125,18 @@ async def main() -> None:
     ap.add_argument("--sys-words", type=int, default=int(os.environ.get("SYSW", 1500)))
     ap.add_argument("--conc", type=int, default=int(os.environ.get("CONC", 16)))
     ap.add_argument("--out", help="append one JSON line per run here")
+    ap.add_argument("--seed-base", type=int, default=1000, help="fresh conversations per call")
+    ap.add_argument("--modes", default="direct,sticky,round_robin")
     args = ap.parse_args()
     ports = [int(p) for p in args.direct.split(",")]
     direct = [f"http://127.0.0.1:{p}" for p in ports]
-    plan = {"direct": direct, "sticky": [args.sticky], "round_robin": [args.rr]}
+    plan = {m: t for m, t in (("direct", direct), ("sticky", [args.sticky]),
+                                ("round_robin", [args.rr])) if m in args.modes.split(",")}
     await run("warmup", 99, direct, ports, 8, 2, 200, 8)
     for r in range(args.rounds):
         for m, (mode, targets) in enumerate(plan.items()):
             # Fresh conversations for every run: no run finds another's prompts cached.
-            result = await run(mode, 1000 + 10 * r + m, targets, ports, args.nconv,
+            result = await run(mode, args.seed_base + 10 * r + m, targets, ports, args.nconv,
                                args.turns, args.sys_words, args.conc)
             result["round"] = r
             print(json.dumps(result), flush=True)

@@ -70,7 +70,8 @@ class GatewayApp:
         self.canary = Canary(config.canary, self.metrics)
         self.canary_sync: CanarySync | None = None
         self.router = Router(self.pool, make_policy(config.routing), None, config.routing,
-                             self.metrics, self.breakers, self.canary)
+                             self.metrics, self.breakers, self.canary,
+                             make_policy(config.routing, config.routing.pin_policy))
         self.replies = ReplyCache(config.degraded)
         self.proxy = Proxy(config, self.pool, self.upstream, self.router,
                            Degraded(config.degraded, self.replies, self.metrics), self.metrics,

@@ -114,6 +114,10 @@ class RoutingSection(Section):
     session_keys: tuple[SessionKey, ...] = ("header:x-session-id", "body:user")
     session_key_max_len: int = Field(default=256, ge=1, le=4096)
     policy: Literal["least_loaded", "round_robin", "prefix"] = "least_loaded"
+    # Where a new session is pinned. Measured on real vLLM (docs/BENCHMARKS.md, GPU):
+    # placing pins by instantaneous load clumps sessions that are between turns onto the
+    # same instance; turn-taking spreads them evenly, as a client pinning by itself does.
+    pin_policy: Literal["least_loaded", "round_robin", "prefix"] = "round_robin"
     sticky: bool = True
     session_ttl: float = Field(default=3600.0, gt=0, description="pin lifetime, refreshed on use")
     prefix_chars: int = Field(default=512, ge=16, description="prompt head to hash")

@@ -26,8 +26,9 @@ from gateway.types import Policy, RequestContext
 class Router:
     def __init__(self, pool: BackendPool, policy: Policy, store: PinStore | None,
                  settings: RoutingSection, metrics: Metrics, breakers: Breakers,
-                 canary: Canary | None = None) -> None:
+                 canary: Canary | None = None, pin_policy: Policy | None = None) -> None:
         self._pool = pool
+        self._pin_policy = pin_policy or policy
         self._breakers = breakers
         self._canary = canary
         self.arms: ArmStore | None = None  # set once Redis is up
@@ -101,7 +102,7 @@ class Router:
         key = f"{ctx.model}:{ctx.session_key}"
         answered, pinned = await self.store.get(key)
         if answered and pinned is None:
-            choice = self._policy.choose(candidates, ctx)
+            choice = self._pin_policy.choose(candidates, ctx)
             assert choice is not None
             answered, pinned = await self.store.claim(key, choice.name)
             if answered and pinned is None:
@@ -119,7 +120,7 @@ class Router:
         # The pinned backend is gone, unhealthy, draining, tried or overloaded: move the
         # session on purpose, and keep it where it lands.
         others = [b for b in candidates if b is not current] or candidates
-        choice = self._policy.choose(others, ctx)
+        choice = (self._policy if current is not None else self._pin_policy).choose(others, ctx)
         assert choice is not None
         await self.store.repin(key, choice.name)
         self._sticky.labels("repin" if current is None else "rebalance").inc()

@@ -9,15 +9,17 @@ from gateway.policies.round_robin import RoundRobin
 from gateway.types import Policy
 
 
-def make_policy(settings: RoutingSection) -> Policy:
-    """The one factory from a canonical config name to a policy."""
-    if settings.policy == "least_loaded":
+def make_policy(settings: RoutingSection, name: str | None = None) -> Policy:
+    """The one factory from a canonical config name to a policy (``routing.policy`` unless
+    another name is given, e.g. ``routing.pin_policy``)."""
+    name = name or settings.policy
+    if name == "least_loaded":
         return LeastLoaded()
-    if settings.policy == "round_robin":
+    if name == "round_robin":
         return RoundRobin()
-    if settings.policy == "prefix":
+    if name == "prefix":
         return PrefixAware(settings.prefix_chars, settings.bounded_load_factor)
-    raise ValueError(f"unknown policy {settings.policy!r}")
+    raise ValueError(f"unknown policy {name!r}")
 
 
 __all__ = ["LeastLoaded", "PrefixAware", "RoundRobin", "make_policy"]

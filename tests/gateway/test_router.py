@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,3 +139,35 @@ def test_outage_store_answers_at_once(tmp_path: Path) -> None:
     assert len(names) == 5
     assert metrics.redis_errors._value.get() == 1  # one error, then skipped for 5 s
     assert count(metrics, "fallback") == 10
+
+
+def test_new_sessions_are_placed_in_turn_not_by_momentary_load(server: RedisServer) -> None:
+    """Sessions between turns leave a backend looking idle; least-loaded pinning would pile
+    every new session onto it (measured on real vLLM: docs/BENCHMARKS.md)."""
+    pool = backends(4)
+
+    async def steps(router: Router, client: object) -> list[str]:
+        for b in pool[1:]:
+            b.in_flight = 5
+        picks = [await pick(router, ctx(f"new-{i}")) for i in range(8)]
+        return [b.name for b in picks if b is not None]
+
+    def run_with(pin: str) -> list[str]:
+        async def main() -> list[str]:
+            client = aioredis.from_url(server.url, decode_responses=True, socket_timeout=0.5)
+            await client.flushall()
+            link = RedisLink(client, "t:", 1.0, metrics)
+            settings = RoutingSection(pin_policy=pin)  # type: ignore[arg-type]
+            breakers = Breakers(BreakerSection(), [b.name for b in pool])
+            router = Router(BackendPool(pool, breakers.allows), make_policy(settings),
+                            PinStore(link, 60), settings, metrics, breakers, None,
+                            make_policy(settings, settings.pin_policy))
+            names = await steps(router, client)
+            await link.aclose()
+            return names
+
+        metrics = Metrics()
+        return asyncio.run(main())
+
+    assert sorted(Counter(run_with("round_robin")).values()) == [2, 2, 2, 2]
+    assert Counter(run_with("least_loaded")) == {"b0": 8}
