@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from backends.spec import BackendSpec
 
@@ -17,14 +18,33 @@ class BackendState(enum.Enum):
     FAILED = "failed"
 
 
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What a vLLM backend says about itself on /metrics (scraped) and its GPUs (NVML)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None  # 0-1
+    prefix_hit_ratio: float | None = None  # since the previous scrape
+    gpus: tuple[GpuReading, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    index: int
+    memory_used: int  # bytes
+    memory_total: int
+    temperature: int  # Celsius
+
+
 class Backend:
     """A backend as the gateway sees it right now.
 
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("_streak", "busy_until", "flaps", "in_flight", "last_probe", "models", "pid",
-                 "restarts", "spec", "started_at", "state", "url")
+    __slots__ = ("_streak", "busy_until", "flaps", "in_flight", "last_probe", "load", "models",
+                 "pid", "restarts", "spec", "started_at", "state", "url")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -39,6 +59,7 @@ class Backend:
         self.last_probe: str = "none yet"
         # A 429/503 with Retry-After means busy, not dead: skipped until then (monotonic).
         self.busy_until = 0.0
+        self.load: LoadReport | None = None  # the latest scrape, when enabled
         self._streak = 0  # consecutive probes disagreeing with the current state
 
     @property
@@ -54,6 +75,15 @@ class Backend:
     def routable(self) -> bool:
         return self.state is BackendState.READY and (
             not self.busy_until or time.monotonic() >= self.busy_until)
+
+    @property
+    def queue(self) -> float:
+        """Requests on this backend: ours in flight, or all its clients' as vLLM last
+        reported them (running + waiting), whichever is more."""
+        load = self.load
+        if load is None:
+            return self.in_flight
+        return max(self.in_flight, load.running + load.waiting)
 
     def serves(self, model: str) -> bool:
         return model in self.models

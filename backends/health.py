@@ -23,6 +23,9 @@ class HealthSettings(BaseModel):
     timeout: float = Field(default=2.0, gt=0, description="seconds one probe may take")
     fall: int = Field(default=3, ge=1, description="failed probes in a row to leave rotation")
     rise: int = Field(default=2, ge=1, description="good probes in a row to re-enter rotation")
+    # vLLM's own load report (/metrics): requests running and waiting, KV-cache use, prefix
+    # cache hits. 0 = don't scrape (the policy then counts only the gateway's in-flight).
+    metrics_interval: float = Field(default=2.0, ge=0)
 
 
 @dataclass(frozen=True, slots=True)

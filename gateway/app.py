@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Coroutine
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -19,13 +20,14 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from backends.asgi import Receive, Scope, Send
 from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
 from backends.supervisor import Supervisor, start_in_turn
+from backends.vllm_metrics import LoadScraper, Nvml
 from gateway import logs
 from gateway.admin import Admin
 from gateway.admin_canary import CanaryAdmin
@@ -48,11 +50,13 @@ from gateway.redislink import RedisLink
 from gateway.reload import Reloadable, apply
 from gateway.replies import ReplyCache
 from gateway.router import Router
+from gateway.status import Status
 from gateway.store import PinStore
 from gateway.upstream import make_upstream
 
 log = logging.getLogger("gateway")
 
+DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text(encoding="utf-8")
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
@@ -73,8 +77,8 @@ class GatewayApp:
                              self.metrics, self.breakers, self.canary,
                              make_policy(config.routing, config.routing.pin_policy))
         self.replies = ReplyCache(config.degraded)
-        self.proxy = Proxy(config, self.pool, self.upstream, self.router,
-                           Degraded(config.degraded, self.replies, self.metrics), self.metrics,
+        degraded = Degraded(config.degraded, self.replies, self.metrics)
+        self.proxy = Proxy(config, self.pool, self.upstream, self.router, degraded, self.metrics,
                            self.canary)
         self.supervisors: dict[str, Supervisor] = {}
         admin_key = config.gateway.admin_key
@@ -85,12 +89,17 @@ class GatewayApp:
         self.reloadable = Reloadable(self.pool, self.breakers, self.canary, self.supervisors,
                                      self._supervisor)
         self.config_path = os.environ.get(CONFIG_ENV)
+        self.status = Status(self.pool, self.breakers, self.canary, self.router, degraded,
+                             self.supervisors, self.metrics)
         self._other = Starlette(
             routes=[
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/readyz", self._readyz, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/dashboard", self._dashboard, methods=["GET"]),
+                Route("/dashboard/data", self.admin.guard(self._dashboard_data),
+                      methods=["GET"]),
                 *self.admin.routes(),
                 *self.canary_admin.routes(),
             ],
@@ -186,19 +195,30 @@ class GatewayApp:
             checker = HealthChecker(self.pool.backends, settings, probe)
             self.reloadable.checker = checker
             await checker.check_all()
+            loops: list[asyncio.Future[None]] = [
+                asyncio.create_task(checker.run(), name="health"),
+                asyncio.create_task(self._refresh(), name="gauges")]
+            if settings.metrics_interval > 0:
+                nvml = None
+                if any(b.spec.spawn and b.spec.spawn.gpus for b in self.pool.backends):
+                    nvml = await asyncio.to_thread(Nvml)
+                scraper = LoadScraper(self.pool.backends, probe_session,
+                                      settings.metrics_interval, settings.timeout, nvml,
+                                      self.status.loaded)
+                loops.append(asyncio.create_task(scraper.run(), name="load"))
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 asyncio.get_running_loop().add_signal_handler(
                     signal.SIGHUP, lambda: self._spawn(self.reload("SIGHUP")))
             log.info("backends at start: %s", ", ".join(
                 f"{b.name}={b.state.value}" for b in self.pool.backends))
-            health = asyncio.create_task(checker.run(), name="health")
             try:
                 yield
             finally:
-                health.cancel()
-                for task in list(self.reloadable.background):
-                    task.cancel()  # sequential starts, reload drains
-                await asyncio.gather(health, *self.reloadable.background,
+                for task in loops:
+                    task.cancel()
+                for job in list(self.reloadable.background):
+                    job.cancel()  # sequential starts and reload drains
+                await asyncio.gather(*loops, *self.reloadable.background,
                                      return_exceptions=True)
                 await asyncio.gather(*(s.stop() for s in self.supervisors.values()))
                 await self.upstream.aclose()
@@ -235,7 +255,19 @@ class GatewayApp:
         return JSONResponse({"object": "list", "data": data})
 
     async def _metrics(self, request: Request) -> Response:
+        self.status.refresh()
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def _refresh(self, every: float = 1.0) -> None:
+        while True:  # other workers' gauges, in multiprocess mode, come from here
+            self.status.refresh()
+            await asyncio.sleep(every)
+
+    async def _dashboard(self, request: Request) -> Response:
+        return HTMLResponse(DASHBOARD, headers={"cache-control": "no-store"})
+
+    async def _dashboard_data(self, request: Request) -> Response:
+        return JSONResponse(self.status.data())
 
     async def _healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "pid": os.getpid()})
@@ -252,5 +284,5 @@ def from_env() -> GatewayApp:
     """The app factory each worker process calls (config path from the environment)."""
     config = load(os.environ[CONFIG_ENV])
     if not logging.getLogger().handlers:  # a spawned worker: logging is not set up yet
-        logs.setup(config.gateway.log_level, StreamAborted)
+        logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
     return GatewayApp(config)

@@ -32,12 +32,17 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.errors import StreamAborted
 
     config = _load_or_exit(args.config)
-    logs.setup(config.gateway.log_level, StreamAborted)
+    logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
     if not config.gateway.api_keys:
         log.warning("no [gateway] api_keys configured: the gateway is open to any client")
     workers = config.gateway.workers
     # Workers build the app from this path themselves (uvicorn starts them with spawn).
     os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+    if workers > 1:
+        # Each worker writes its metrics here; any worker's /metrics adds them all up.
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vgw-metrics-")
     uvicorn.run(
         "gateway.app:from_env",
         factory=True,
@@ -54,6 +59,10 @@ def _serve(args: argparse.Namespace) -> int:
         server_header=False,
         proxy_headers=False,
     )
+    if workers > 1:
+        import shutil
+
+        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
     return 0
 
 
@@ -90,7 +99,7 @@ def _sim(args: argparse.Namespace) -> int:
         stall=args.stall,
         seed=args.seed,
     )
-    logs.setup(args.log_level, SimulatedCrash)
+    logs.setup(args.log_level, SimulatedCrash, fmt="text")
     uvicorn.run(
         SimApp(options), host=args.host, port=args.port, loop="uvloop", http="httptools",
         access_log=False, log_config=None, backlog=4096, timeout_keep_alive=75,

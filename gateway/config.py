@@ -73,6 +73,8 @@ class GatewaySection(Section):
     # uvicorn alone lets a client trickle its body forever.
     body_timeout: float = Field(default=30.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = "json"
+    access_log: bool = Field(default=True, description="one log line per request (info)")
     workers: int = Field(default=1, ge=1, le=64, description="worker processes")
 
     @property

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 
 from backends.asgi import Send
 from gateway.asgi import JSON, send_json
@@ -25,6 +27,7 @@ class Degraded:
         self._settings = settings
         self.cache = cache
         self._counter = metrics.degraded
+        self.recent: deque[dict[str, object]] = deque(maxlen=20)  # for the status page
 
     async def find(self, ctx: RequestContext) -> tuple[bytes, str] | None:
         """The best answer without a backend: (completion body, "cache" | "static")."""
@@ -40,6 +43,8 @@ class Degraded:
                    why: str) -> None:
         body, kind = found
         self._counter.labels(kind).inc()
+        ctx.status, ctx.note = 200, f"degraded {kind}"
+        self._remember(ctx, kind, why)
         log.warning("request %s: degraded reply (%s): %s", ctx.request_id, kind, why)
         headers = [(b"x-request-id", ctx.request_id.encode()),
                    (b"x-gateway-degraded", kind.encode())]
@@ -53,9 +58,15 @@ class Degraded:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
+    def _remember(self, ctx: RequestContext, kind: str, why: str) -> None:
+        self.recent.appendleft({"at": time.time(), "id": ctx.request_id, "model": ctx.model,
+                                "kind": kind, "why": why})
+
     async def unavailable(self, ctx: RequestContext, send: Send, why: str) -> None:
         """Nothing to answer with: 503 and when to come back."""
         self._counter.labels("unavailable").inc()
         error = NoBackend(why)
+        ctx.status, ctx.note = error.status, "unavailable"
+        self._remember(ctx, "unavailable", why)
         await send_json(send, error.status, error.body(), ctx.request_id,
                         [(b"retry-after", str(self._settings.retry_after).encode())])

@@ -1,65 +1,128 @@
-"""Prometheus metrics, in a registry of the app's own (no module-level state)."""
+"""The gateway's Prometheus metrics: one documented set, in a registry of the app's own.
+
+With several worker processes, ``serve`` sets ``PROMETHEUS_MULTIPROC_DIR`` before the
+workers start; every process then writes its values there and any worker's ``/metrics``
+adds them all up (prometheus-client's multiprocess mode). Gauges say how: ``livesum``
+(in flight), ``livemax`` (states every process sees alike), ``mostrecent``-like values
+such as weights use ``livemax`` too.
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+GAPS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         r = self.registry
-        self.sticky = Counter(
-            "gateway_sticky_total", "Session routing outcomes: hit, miss (new pin), repin, "
-            "rebalance (moved off an overloaded backend), fallback (Redis unavailable)",
-            ["result"], registry=r)
-        self.redis_errors = Counter("gateway_redis_errors_total", "Failed Redis calls",
-                                    registry=r)
-        self.redis_up = Gauge("gateway_redis_up", "1 while Redis answers", registry=r)
-        self.redis_latency = Histogram(
-            "gateway_redis_latency_seconds", "Redis round trips",
-            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
-            registry=r)
 
-        self.breaker_state = Gauge(
+        def counter(name: str, text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, text, labels, registry=r)
+
+        def gauge(name: str, text: str, labels: tuple[str, ...] = (),
+                  mode: str = "livemax") -> Gauge:
+            return Gauge(name, text, labels, registry=r, multiprocess_mode=mode)  # type: ignore[arg-type]
+
+        def histogram(name: str, text: str, labels: tuple[str, ...],
+                      buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, text, labels, buckets=buckets, registry=r)
+
+        # Requests, as clients saw them.
+        self.requests = counter(
+            "gateway_requests_total", "Client requests by the backend and group that answered "
+            "(none: no backend), model (as clients name it) and HTTP status",
+            ("backend", "group", "model", "status"))
+        self.ttft = histogram("gateway_ttft_seconds", "Time from the request to its first byte "
+                              "relayed", ("group",), LATENCY)
+        self.inter_token = histogram(
+            "gateway_inter_token_seconds", "Mean gap between the chunks of one stream",
+            ("group",), GAPS)
+        self.duration = histogram("gateway_request_duration_seconds",
+                                  "Time from the request to its last byte", ("group",), LATENCY)
+        self.in_flight = gauge("gateway_in_flight", "Requests in flight per backend",
+                               ("backend",), "livesum")
+        self.backend_state = gauge(
+            "gateway_backend_state", "1 for the state each backend is in (starting, ready, "
+            "unhealthy, draining, stopped, failed)", ("backend", "state"))
+        # Attempts per group (the canary analysis counts the same things).
+        self.group_requests = counter(
+            "gateway_group_requests_total", "Upstream attempts per backend group, by outcome: "
+            "ok, error (5xx, connect, timeout, broken stream), client_error (4xx), other "
+            "(busy, client gone)", ("group", "outcome"))
+        self.group_ttft = histogram("gateway_group_ttft_seconds",
+                                    "Time to the first byte of each successful attempt",
+                                    ("group",), LATENCY)
+        # Resilience.
+        self.breaker_state = gauge(
             "gateway_breaker_state", "Circuit breaker per backend: 0 closed, 1 half-open, 2 open",
-            ["backend"], registry=r)
-        self.breaker_transitions = Counter(
+            ("backend",))
+        self.breaker_transitions = counter(
             "gateway_breaker_transitions_total", "Circuit breaker state changes",
-            ["backend", "from_state", "to_state"], registry=r)
-        self.retries = Counter(
-            "gateway_retries_total", "Attempts retried on another backend before the first byte",
-            ["reason"], registry=r)
-        self.retry_budget_exhausted = Counter(
-            "gateway_retry_budget_exhausted_total", "Retries refused because the budget was spent",
-            registry=r)
-        self.degraded = Counter(
+            ("backend", "from_state", "to_state"))
+        self.retries = counter("gateway_retries_total", "Attempts retried on another backend "
+                               "before the first byte, by what failed", ("reason",))
+        self.retry_budget_exhausted = counter(
+            "gateway_retry_budget_exhausted_total", "Retries refused because the budget was spent")
+        self.degraded = counter(
             "gateway_degraded_replies_total", "Requests no backend could serve, by what they got: "
             "cache (an earlier reply), static (the configured message), unavailable (503)",
-            ["kind"], registry=r)
-        self.stream_failures = Counter(
+            ("kind",))
+        self.stream_failures = counter(
             "gateway_stream_failures_total", "Replies that failed after their headers went out: "
             "dropped (connection lost), stalled (idle timeout), inband (error event in a 200)",
-            ["cause"], registry=r)
-
-        self.group_requests = Counter(
-            "gateway_group_requests_total", "Upstream attempts per backend group, by outcome: "
-            "ok, error (5xx, connect, timeout, broken stream), client_error (4xx)",
-            ["group", "outcome"], registry=r)
-        self.group_ttft = Histogram(
-            "gateway_group_ttft_seconds", "Time to the first byte relayed, per backend group",
-            ["group"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                                30.0, 60.0), registry=r)
-        self.canary_weight = Gauge("gateway_canary_weight", "Traffic percentage per group",
-                                   ["group"], registry=r)
-        self.canary_step = Gauge("gateway_canary_step", "Rollout step index (-1: set by hand)",
-                                 registry=r)
-        self.canary_decisions = Counter(
+            ("cause",))
+        # Sessions and Redis.
+        self.sticky = counter(
+            "gateway_sticky_total", "Session routing outcomes: hit, miss (new pin), repin, "
+            "rebalance (moved off an overloaded backend), fallback (Redis unavailable)",
+            ("result",))
+        self.redis_errors = counter("gateway_redis_errors_total", "Failed Redis calls")
+        self.redis_up = gauge("gateway_redis_up", "1 while Redis answers", (), "livemin")
+        self.redis_latency = histogram(
+            "gateway_redis_latency_seconds", "Redis round trips", (),
+            (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
+        # Canary.
+        self.canary_weight = gauge("gateway_canary_weight", "Traffic percentage per group",
+                                   ("group",))
+        self.canary_step = gauge("gateway_canary_step", "Rollout step index (-1: set by hand)")
+        self.canary_decisions = counter(
             "gateway_canary_decisions_total", "Rollout analysis verdicts: advance, rollback",
-            ["decision"], registry=r)
-        self.shadow_requests = Counter(
+            ("decision",))
+        self.shadow_requests = counter(
             "gateway_shadow_requests_total", "Requests mirrored to the canary, by outcome",
-            ["outcome"], registry=r)
+            ("outcome",))
+        # What each vLLM backend reports about itself (scraped), and its GPUs (NVML).
+        self.vllm_running = gauge("gateway_backend_requests_running",
+                                  "vllm:num_requests_running, scraped", ("backend",))
+        self.vllm_waiting = gauge("gateway_backend_requests_waiting",
+                                  "vllm:num_requests_waiting, scraped", ("backend",))
+        self.vllm_kv_usage = gauge("gateway_backend_kv_cache_usage_ratio",
+                                   "vllm:kv_cache_usage_perc (0-1), scraped", ("backend",))
+        self.vllm_prefix_hits = gauge(
+            "gateway_backend_prefix_cache_hit_ratio",
+            "Prefix-cache hits / queries since the previous scrape", ("backend",))
+        self.gpu_memory_used = gauge("gateway_backend_gpu_memory_used_bytes",
+                                     "GPU memory in use on a spawned backend's GPUs (NVML)",
+                                     ("backend", "gpu"))
+        self.gpu_memory_total = gauge("gateway_backend_gpu_memory_total_bytes",
+                                      "GPU memory of a spawned backend's GPUs (NVML)",
+                                      ("backend", "gpu"))
+        self.gpu_temperature = gauge("gateway_backend_gpu_temperature_celsius",
+                                     "GPU temperature of a spawned backend's GPUs (NVML)",
+                                     ("backend", "gpu"))
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return generate_latest(registry)
         return generate_latest(self.registry)

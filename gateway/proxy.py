@@ -30,6 +30,7 @@ from gateway.errors import (
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.metrics import Metrics
 from gateway.names import ModelNames
+from gateway.observe import RequestLog
 from gateway.pool import BackendPool
 from gateway.retry import RETRIABLE, RetryBudget, backoff, retry_after
 from gateway.router import Router
@@ -56,6 +57,7 @@ class Proxy:
         self._names = pool.names
         self._canary = canary
         self._tally = Tally(metrics, canary)
+        self._log = RequestLog(metrics, config.gateway.access_log)
         self._shadow = Shadow(upstream, router, pool.names, canary, metrics,
                               config.upstream.total_timeout)
         self._degraded = degraded
@@ -79,19 +81,22 @@ class Proxy:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = request_id(scope)
         loop = asyncio.get_running_loop()
-        deadline = Deadline(loop.time() + self._body_timeout)
+        begun = loop.time()
+        deadline = Deadline(begun + self._body_timeout)
         try:
             body = await read_body(receive, self._max_body)
         except BodyTooLarge:
             deadline.cancel()
             await send_error(send, PayloadTooLarge(
                 f"request body exceeds {self._max_body} bytes"), rid)
+            self._log.rejected(rid, scope["path"], 413, loop.time() - begun)
             return
         except asyncio.CancelledError:
             if not deadline.absorb():
                 raise
             await send_error(send, RequestTimeout(
                 f"request body not received within {self._body_timeout:g} s"), rid)
+            self._log.rejected(rid, scope["path"], 408, loop.time() - begun)
             return
         if body is None:
             deadline.cancel()
@@ -102,19 +107,28 @@ class Proxy:
         ctx = None
         try:
             ctx = self._context(scope, body, rid)
+            ctx.started = begun
             await self._serve(ctx, send, deadline)
         except GatewayError as exc:
             await send_error(send, exc, rid)
+            if ctx is None:
+                self._log.rejected(rid, scope["path"], exc.status, loop.time() - begun)
+            else:
+                ctx.status = exc.status
         except asyncio.CancelledError:
             if watcher.done() and task.uncancel() == 0:
                 log.info("request %s: client disconnected, upstream cancelled", rid)
-                if ctx is not None and ctx.shadow is not None:
-                    ctx.shadow.cancel()  # the mirror goes with the client
+                if ctx is not None:
+                    ctx.note = "client gone"
+                    if ctx.shadow is not None:
+                        ctx.shadow.cancel()  # the mirror goes with the client
                 return
             raise
         finally:
             watcher.cancel()
             deadline.cancel()
+            if ctx is not None:
+                self._log.done(ctx, loop.time())
 
     def _context(self, scope: Scope, body: bytes, rid: str) -> RequestContext:
         try:
@@ -277,6 +291,7 @@ class Proxy:
         deadline: Deadline, loop: asyncio.AbstractEventLoop,
     ) -> None:
         backend = ticket.backend
+        ctx.served_by, ctx.status = backend, resp.status
         content_type = next((v for k, v in resp.headers if k.lower() == b"content-type"), b"")
         stream = content_type.startswith(b"text/event-stream")
         await send({
@@ -293,14 +308,16 @@ class Proxy:
         old, new = ModelNames.rewrite(served, ctx.model) if served != ctx.model else (b"", b"")
         cause = None
         reuse = False
+        chunks = 0
         try:
             chunk = await resp.read()
-            ticket.first_byte = loop.time()
+            ctx.first_byte = ticket.first_byte = loop.time()
             while chunk:
                 if old:
                     chunk = chunk.replace(old, new)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 deadline.touch()
+                chunks += 1
                 if stream and INBAND_ERROR in chunk:
                     cause = "inband"
                 if parts is not None:
@@ -317,7 +334,10 @@ class Proxy:
                 raise
             cause, detail = "stalled", "stalled"
         finally:
+            ctx.chunks, ctx.last_byte = chunks, deadline.last
             await resp.aclose(reuse)
+        if cause is not None:
+            ctx.note = f"stream {cause}"
         if cause is None:
             ticket.done(Outcome.SUCCESS if resp.status < 400 else Outcome.NEUTRAL)
             if parts is not None:

@@ -32,6 +32,7 @@ class Router:
         self._breakers = breakers
         self._canary = canary
         self.arms: ArmStore | None = None  # set once Redis is up
+        self.pins_made: dict[str, int] = {}  # sessions this process pinned, per backend
         self._policy = policy
         self.store = store if settings.sticky else None  # set once Redis is up
         self._max_load = settings.session_max_load_factor
@@ -107,6 +108,7 @@ class Router:
             answered, pinned = await self.store.claim(key, choice.name)
             if answered and pinned is None:
                 self._sticky.labels("miss").inc()
+                self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1
                 return choice
         if not answered:
             self._sticky.labels("fallback").inc()
@@ -124,6 +126,7 @@ class Router:
         assert choice is not None
         await self.store.repin(key, choice.name)
         self._sticky.labels("repin" if current is None else "rebalance").inc()
+        self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1
         return choice
 
     def _overloaded(self, backend: Backend, candidates: Sequence[Backend]) -> bool:

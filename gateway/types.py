@@ -24,6 +24,14 @@ class RequestContext:
     payload: dict[str, object] = field(default_factory=dict, repr=False)
     group: str | None = None  # the canary arm (backend group), when a rollout is on
     shadow: asyncio.Task[None] | None = field(default=None, repr=False)
+    # What happened, for the request log and metrics (filled in along the way).
+    started: float = 0.0  # loop time the body was in
+    status: int = 0  # what the client got
+    served_by: Backend | None = field(default=None, repr=False)
+    first_byte: float | None = None
+    last_byte: float | None = None
+    chunks: int = 0
+    note: str = ""  # degraded:cache, stream:dropped, client gone...
 
 
 class Policy(Protocol):

@@ -1,4 +1,5 @@
-"""Fewest requests in flight; ties rotate so equal backends share the load."""
+"""Fewest requests on the backend (ours in flight, or what vLLM reports running and waiting
+for all its clients, whichever is more); ties rotate so equal backends share the load."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ class LeastLoaded:
     def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
         if not candidates:
             return None
-        low = min(b.in_flight for b in candidates)
-        tied = [b for b in candidates if b.in_flight == low]
+        low = min(b.queue for b in candidates)
+        tied = [b for b in candidates if b.queue == low]
         self._turn += 1
         return tied[self._turn % len(tied)]

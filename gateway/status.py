@@ -1,0 +1,79 @@
+"""The live picture of the gateway: gauges refreshed from the backends' state, and the JSON
+the status page (``/dashboard``) draws."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from backends.backend import Backend, BackendState
+from backends.supervisor import Supervisor
+from gateway.breaker import Breakers
+from gateway.canary import Canary
+from gateway.degraded import Degraded
+from gateway.metrics import Metrics
+from gateway.pool import BackendPool
+from gateway.router import Router
+
+STATES = tuple(s.value for s in BackendState)
+
+
+class Status:
+    def __init__(self, pool: BackendPool, breakers: Breakers, canary: Canary, router: Router,
+                 degraded: Degraded, supervisors: Mapping[str, Supervisor],
+                 metrics: Metrics) -> None:
+        self._pool = pool
+        self._breakers = breakers
+        self._canary = canary
+        self._router = router
+        self._degraded = degraded
+        self._supervisors = supervisors
+        self._m = metrics
+
+    def refresh(self) -> None:
+        """Gauges that mirror state (cheap; at every scrape and once a second)."""
+        m = self._m
+        for b in self._pool.backends:
+            m.in_flight.labels(b.name).set(b.in_flight)
+            for state in STATES:
+                m.backend_state.labels(b.name, state).set(1 if b.state.value == state else 0)
+
+    def loaded(self, backend: Backend) -> None:
+        """A backend's scraped load and GPU readings, re-exported."""
+        load, m, name = backend.load, self._m, backend.name
+        if load is None:
+            return
+        m.vllm_running.labels(name).set(load.running)
+        m.vllm_waiting.labels(name).set(load.waiting)
+        if load.kv_usage is not None:
+            m.vllm_kv_usage.labels(name).set(load.kv_usage)
+        if load.prefix_hit_ratio is not None:
+            m.vllm_prefix_hits.labels(name).set(load.prefix_hit_ratio)
+        for gpu in load.gpus:
+            m.gpu_memory_used.labels(name, str(gpu.index)).set(gpu.memory_used)
+            m.gpu_memory_total.labels(name, str(gpu.index)).set(gpu.memory_total)
+            m.gpu_temperature.labels(name, str(gpu.index)).set(gpu.temperature)
+
+    def data(self) -> dict[str, Any]:
+        now = time.monotonic()
+        pins = self._router.pins_made
+        backends = []
+        for b in self._pool.backends:
+            load = b.load
+            backends.append({
+                "name": b.name, "group": b.spec.group, "url": b.url, "state": b.state.value,
+                "spawned": b.managed, "pid": b.pid, "restarts": b.restarts,
+                "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
+                "in_flight": b.in_flight, "queue": b.queue, "pins": pins.get(b.name, 0),
+                "running": load.running if load else None,
+                "waiting": load.waiting if load else None,
+                "kv_usage": load.kv_usage if load else None,
+                "prefix_hit_ratio": load.prefix_hit_ratio if load else None,
+                "gpus": [{"index": g.index, "memory_used": g.memory_used,
+                          "memory_total": g.memory_total, "temperature": g.temperature}
+                         for g in load.gpus] if load else [],
+                "breaker": self._breakers.status(b.name), "last_probe": b.last_probe,
+                "models": sorted(b.models)})
+        return {"backends": backends, "canary": self._canary.status(),
+                "degraded": list(self._degraded.recent), "time": time.time()}
