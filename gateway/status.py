@@ -9,7 +9,7 @@ from typing import Any
 
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
-from gateway.breaker import Breakers
+from gateway.breaker import STATE_VALUE, Breakers
 from gateway.canary import Canary
 from gateway.degraded import Degraded
 from gateway.metrics import Metrics
@@ -36,6 +36,9 @@ class Status:
         m = self._m
         for b in self._pool.backends:
             m.in_flight.labels(b.name).set(b.in_flight)
+            breaker = self._breakers.by_name.get(b.name)
+            if breaker is not None:
+                m.breaker_state.labels(b.name).set(STATE_VALUE[breaker.state])
             for state in STATES:
                 m.backend_state.labels(b.name, state).set(1 if b.state.value == state else 0)
 

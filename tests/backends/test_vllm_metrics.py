@@ -1,0 +1,53 @@
+"""Reading vLLM's own load report, and what the policy makes of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backends.backend import Backend, BackendState, LoadReport
+from backends.spec import BackendSpec
+from backends.vllm_metrics import Nvml, parse
+from gateway.policies import LeastLoaded
+from gateway.types import RequestContext
+
+# As vLLM 0.x writes it: labels, HELP/TYPE lines, histograms beside the gauges.
+PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 800.0
+vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="m"} 0.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+"""
+
+
+def test_the_load_report_is_read_and_summed_over_engines() -> None:
+    assert parse(PAGE) == {"running": 4.0, "waiting": 2.0, "kv_usage": 0.25,
+                           "queries": 1000.0, "hits": 800.0}
+
+
+def backend(name: str, in_flight: int, load: LoadReport | None) -> Backend:
+    b = Backend(BackendSpec(name=name, url="http://127.0.0.1:1"))
+    b.state, b.in_flight, b.load = BackendState.READY, in_flight, load
+    return b
+
+
+def test_least_loaded_counts_what_other_clients_put_on_a_backend() -> None:
+    ctx = RequestContext("r", "/v1/chat/completions", "m", False, None, b"", [], {})
+    busy_elsewhere = backend("a", 0, LoadReport(running=6, waiting=4))
+    quiet = backend("b", 1, LoadReport(running=1, waiting=0))
+    policy = LeastLoaded()
+    assert {policy.choose([busy_elsewhere, quiet], ctx).name for _ in range(4)} == {"b"}  # type: ignore[union-attr]
+    assert busy_elsewhere.queue == 10 and quiet.queue == 1
+    assert backend("c", 3, None).queue == 3  # no report: our own count
+
+
+def test_without_a_gpu_nvml_reports_nothing() -> None:
+    if Path("/dev/nvidia0").exists():
+        pytest.skip("this machine has a GPU")
+    nvml = Nvml()
+    assert not nvml.available and nvml.read([0]) == ()
