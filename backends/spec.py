@@ -99,6 +99,13 @@ class BackendSpec(BaseModel):
         default=None, description="sent upstream as 'Authorization: Bearer ...'"
     )
     weight: int = Field(default=1, ge=0, le=1000)
+    # For a url backend on this host: the GPUs it runs on, read through NVML for metrics
+    # (a spawned backend reports its own [backends.spawn] gpus).
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def monitored_gpus(self) -> tuple[int, ...]:
+        return self.spawn.gpus if self.spawn is not None else self.gpus
 
     @model_validator(mode="after")
     def _url_or_spawn(self) -> BackendSpec:

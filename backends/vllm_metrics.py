@@ -104,9 +104,9 @@ class LoadScraper:
             return  # the health checks judge liveness; a missed scrape keeps the last one
         values = await asyncio.to_thread(parse, text)
         gpus: tuple[GpuReading, ...] = ()
-        spawn = backend.spec.spawn
-        if self._nvml is not None and self._nvml.available and spawn is not None and spawn.gpus:
-            gpus = await asyncio.to_thread(self._nvml.read, spawn.gpus)
+        indices = backend.spec.monitored_gpus
+        if self._nvml is not None and self._nvml.available and indices:
+            gpus = await asyncio.to_thread(self._nvml.read, indices)
         backend.load = LoadReport(
             running=values.get("running", 0.0), waiting=values.get("waiting", 0.0),
             kv_usage=values.get("kv_usage"), prefix_hit_ratio=self._hit_ratio(backend, values),

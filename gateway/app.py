@@ -200,7 +200,7 @@ class GatewayApp:
                 asyncio.create_task(self._refresh(), name="gauges")]
             if settings.metrics_interval > 0:
                 nvml = None
-                if any(b.spec.spawn and b.spec.spawn.gpus for b in self.pool.backends):
+                if any(b.spec.monitored_gpus for b in self.pool.backends):
                     nvml = await asyncio.to_thread(Nvml)
                 scraper = LoadScraper(self.pool.backends, probe_session,
                                       settings.metrics_interval, settings.timeout, nvml,

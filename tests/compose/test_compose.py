@@ -1,0 +1,98 @@
+"""The compose stack, validated without a container engine: Debian's docker-compose parses
+it, promtool checks Prometheus' config and the SLO alert rules, and the Grafana dashboard
+and the alerts only use metrics the gateway exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml  # type: ignore[import-untyped]
+
+from gateway.config import load
+from gateway.metrics import Metrics
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "compose"
+METRIC = re.compile(r"\bgateway_[a-z_]+")
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} is not installed (scripts/test.sh installs it)")
+    return path
+
+
+def exported() -> set[str]:
+    """Every series name the gateway's registry can expose (labelled metrics that saw no
+    value yet have no samples, so the names come from their type)."""
+    suffixes = {"counter": ("_total", "_created"), "gauge": ("",),
+                "histogram": ("_bucket", "_count", "_sum", "_created")}
+    return {family.name + suffix for family in Metrics().registry.collect()
+            for suffix in suffixes[family.type]}
+
+
+def referenced(text: str) -> set[str]:
+    return set(METRIC.findall(text))
+
+
+def test_docker_compose_parses_the_stack() -> None:
+    run = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE / "docker-compose.yml"),
+                          "config"], capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "MODEL_DIR": "/models/x"})
+    assert run.returncode == 0, run.stderr
+    stack = yaml.safe_load(run.stdout)
+    assert set(stack["services"]) == {"gateway", "redis", "vllm-a", "vllm-b", "prometheus",
+                                      "grafana"}
+    for name, gpu in (("vllm-a", "0"), ("vllm-b", "1")):
+        devices = stack["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["device_ids"] == [gpu] and "gpu" in devices[0]["capabilities"]
+        assert "/models/x:/models:ro" in stack["services"][name]["volumes"]
+    assert stack["services"]["gateway"]["build"]["dockerfile"] == "Dockerfile"
+
+
+def test_promtool_accepts_the_config_and_the_slo_rules() -> None:
+    promtool = tool("promtool")
+    for args in (["check", "config", str(COMPOSE / "prometheus" / "prometheus.yml")],
+                 ["check", "rules", str(COMPOSE / "prometheus" / "alerts.yml")]):
+        run = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+    rules = yaml.safe_load((COMPOSE / "prometheus" / "alerts.yml").read_text())
+    exprs = " ".join(r["expr"] for g in rules["groups"] for r in g["rules"])
+    for slo in ("> 0.5", "> 0.001", "> 0.8", "> 85"):  # the seeds' four SLOs
+        assert slo in exprs
+
+
+def test_dashboard_and_alerts_use_only_exported_metrics() -> None:
+    dashboard = json.loads((COMPOSE / "grafana" / "dashboards" / "vllm-gateway.json")
+                           .read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    alerts = (COMPOSE / "prometheus" / "alerts.yml").read_text()
+    names = exported()
+    used = referenced(exprs) | referenced(alerts)
+    assert len(referenced(exprs)) >= 15
+    assert sorted(n for n in used if n not in names) == []
+    provisioned = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "datasources" /
+                                  "prometheus.yml").read_text())
+    uids = {p["datasource"]["uid"] for p in dashboard["panels"]}
+    assert uids == {provisioned["datasources"][0]["uid"]}
+
+
+def test_the_stack_config_is_a_valid_gateway_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VGW_ADMIN_KEY", "x")
+    config = load(COMPOSE / "gateway.toml")
+    assert [b.name for b in config.backends] == ["vllm-a", "vllm-b"]
+    assert config.redis.url == "redis://redis:6379/0"
+
+
+def test_the_image_installs_the_package_the_readme_installs() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "COPY pyproject.toml" in dockerfile and "RUN pip install ." in dockerfile
+    assert 'ENTRYPOINT ["vllm-gateway"]' in dockerfile
+    install = (REPO / "scripts" / "install.sh").read_text()
+    assert "pip install -q -e ." in install  # the same pyproject, editable for development
