@@ -10,6 +10,11 @@ from pathlib import Path
 from backends.spec import SpawnSpec
 
 
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 @dataclass(frozen=True, slots=True)
 class Launch:
     argv: list[str]
@@ -44,11 +49,16 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None) -> Launch:
         argv += ["--host", spec.host, "--port", str(spec.port)]
         if spec.served_model_name:
             argv += ["--served-model-name", spec.served_model_name]
+        if len(spec.gpus) > 1 and not any(a.startswith(TP_FLAGS) for a in spec.args):
+            # One backend over several GPUs is one tensor-parallel group across all of them.
+            argv += ["--tensor-parallel-size", str(len(spec.gpus))]
         argv += list(spec.args)
     env = dict(os.environ)
     if spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
-        if len(spec.gpus) > 1:
-            env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (KINDS.md)
+        # NVLink multicast off in NCCL, PyTorch and NVSHMEM: on a shared multi-GPU host a
+        # program using it can take every GPU out of service (KINDS.md). The backend's own
+        # env may not turn it back on by accident; it is set before spec.env on purpose.
+        env.update(NO_MULTICAST)
     env.update(spec.env)
     return Launch(argv, env)

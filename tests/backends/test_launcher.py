@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from backends.launcher import build
 from backends.spec import SpawnSpec
 
@@ -24,7 +26,8 @@ def test_gpu_package_uses_vllm_serve_and_visible_devices() -> None:
     assert launch.argv[:3] == ["/opt/venv/bin/vllm", "serve", "/m/tiny"]
     assert launch.argv[3:7] == ["--host", "0.0.0.0", "--port", "8101"]
     assert launch.env["CUDA_VISIBLE_DEVICES"] == "2"
-    assert "NCCL_NVLS_ENABLE" not in launch.env or launch.env["NCCL_NVLS_ENABLE"] == "0"
+    assert launch.env["NCCL_NVLS_ENABLE"] == "0"  # one GPU of a multi-GPU host: still off
+    assert "--tensor-parallel-size" not in launch.argv
 
 
 def test_multi_gpu_turns_nvlink_multicast_off_and_env_wins() -> None:
@@ -40,3 +43,23 @@ def test_command_template() -> None:
     launch = build(spec(command=["{python}", "-m", "x", "--port", "{port}",
                                  "--name", "{served_model_name}"], served_model_name="t"))
     assert launch.argv == [sys.executable, "-m", "x", "--port", "8101", "--name", "t"]
+
+
+def test_several_gpus_make_one_tensor_parallel_group_unless_told_otherwise() -> None:
+    launch = build(spec(gpus=[2, 3]), gpu_package=True)
+    assert launch.argv[-2:] == ["--tensor-parallel-size", "2"]
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert {k: launch.env[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                       "NVSHMEM_DISABLE_NVLS")} == {
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1"}
+    explicit = build(spec(gpus=[0, 1, 2, 3], args=["-tp", "2", "--pipeline-parallel-size", "2"]),
+                     gpu_package=True)
+    assert explicit.argv.count("-tp") == 1 and "--tensor-parallel-size" not in explicit.argv
+
+
+def test_no_gpus_no_gpu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE"):
+        monkeypatch.delenv(key, raising=False)
+    launch = build(spec(), gpu_package=False)
+    assert "CUDA_VISIBLE_DEVICES" not in launch.env and "NCCL_NVLS_ENABLE" not in launch.env
