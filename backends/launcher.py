@@ -9,7 +9,6 @@ from pathlib import Path
 
 from backends.spec import SpawnSpec
 
-
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
