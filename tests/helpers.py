@@ -188,3 +188,14 @@ class Load:
     @property
     def failures(self) -> int:
         return self.outcomes.count(False)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of a gateway's /metrics (0.0 when absent), parsed as Prometheus would."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0

@@ -4,12 +4,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import Gateway, Sim, backend_toml, free_port, http_ok, wait_for
+from helpers import Gateway, RedisServer, Sim, backend_toml, free_port, http_ok, wait_for
 
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp: Path) -> Iterator[RedisServer]:
+    """A real valkey-server on TCP, one per test module."""
+    server = RedisServer(tmp)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,20 +15,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, Load, RedisServer, Sim, http_ok, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import Gateway, Load, RedisServer, Sim, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
 BODY: dict[str, Any] = {"model": "llama", "max_tokens": 2, "messages": MESSAGES}
 MODELS = '[[models]]\nname = "llama"\ngroups = { stable = "llama-v1", canary = "llama-v2" }\n'
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp)
-    yield server
-    server.stop()
 
 
 def backends(stable: list[Sim], canary: list[Sim]) -> str:
@@ -53,14 +45,6 @@ def start(tmp: Path, name: str, redis_url: str, canary: str, stable: list[Sim],
 def canary_state(gw: Gateway) -> dict[str, Any]:
     state: dict[str, Any] = httpx.get(gw.url + "/admin/canary").json()["state"]
     return state
-
-
-def metric(gw: Gateway, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(gw.url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
 
 
 def cli(gw: Gateway, *args: str) -> subprocess.CompletedProcess[str]:
@@ -162,7 +146,7 @@ def test_operators_change_every_replica_and_each_change_is_an_event(
         wait_for(lambda: canary_state(two)["paused"], 2, "pause on two")
         status = cli(two, "canary", "status")
         assert "canary canary 100%" in status.stdout and "paused" in status.stdout
-        assert metric(two, "gateway_canary_weight", group="canary") == 100
+        assert metric(two.url, "gateway_canary_weight", group="canary") == 100
     finally:
         one.stop()
         two.stop()
@@ -191,9 +175,9 @@ def test_a_failing_canary_is_rolled_back_within_its_sample(
         assert statuses[500] == 20
         assert all(httpx.post(gw.url + CHAT, json=BODY).headers["x-gateway-group"] == "stable"
                    for _ in range(20))
-        assert metric(gw, "gateway_group_requests_total", group="stable", outcome="error") == 0
-        assert metric(gw, "gateway_group_requests_total", group="canary", outcome="error") == 20
-        assert metric(gw, "gateway_canary_decisions_total", decision="rollback") == 1
+        assert metric(gw.url, "gateway_group_requests_total", group="stable", outcome="error") == 0
+        assert metric(gw.url, "gateway_group_requests_total", group="canary", outcome="error") == 20
+        assert metric(gw.url, "gateway_canary_decisions_total", decision="rollback") == 1
         assert "rolled back: canary 20 req, 100.0% errors" in gw.proc.output()
     finally:
         gw.stop()
@@ -214,9 +198,9 @@ def test_a_healthy_canary_is_promoted_step_by_step_to_all_traffic(
         assert state["weight"] == 100 and state["step"] == 2
         steps = [e["weight"] for e in httpx.get(gw.url + "/admin/canary").json()["events"]]
         assert steps[:3] == [100, 50, 10]  # newest first
-        assert metric(gw, "gateway_canary_decisions_total", decision="advance") == 2
-        assert metric(gw, "gateway_canary_step") == 2
-        assert metric(gw, "gateway_group_ttft_seconds_count", group="canary") > 0
+        assert metric(gw.url, "gateway_canary_decisions_total", decision="advance") == 2
+        assert metric(gw.url, "gateway_canary_step") == 2
+        assert metric(gw.url, "gateway_group_ttft_seconds_count", group="canary") > 0
     finally:
         gw.stop()
 

@@ -17,20 +17,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 BODY: dict[str, Any] = {"model": "sim-model", "max_tokens": 4, "messages": MESSAGES}
 STATIC = "The service is busy; please try again in a minute."
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp)
-    yield server
-    server.stop()
 
 
 def start(tmp: Path, name: str, sims: list[Sim], redis_url: str, extra: str = "",
@@ -54,15 +46,6 @@ def breaker(gw: Gateway, name: str) -> dict[str, Any]:
     return found
 
 
-def metric(gw: Gateway, name: str, **labels: str) -> float:
-    text = httpx.get(gw.url + "/metrics").text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
-
-
 def sdk(gw: Gateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
 
@@ -78,6 +61,16 @@ def cleanup() -> Iterator[list[Any]]:
     yield things
     for thing in reversed(things):
         thing.stop()
+
+
+def alone(tmp: Path, name: str, redis_url: str, cleanup: list[Any], *sim_args: str,
+          **gateway: Any) -> tuple[Sim, Gateway]:
+    """One simulator and a gateway in front of it, both stopped after the test."""
+    sim = Sim(tmp, name, *sim_args)
+    cleanup.append(sim)
+    gw = start(tmp, name, [sim], redis_url, **gateway)
+    cleanup.append(gw)
+    return sim, gw
 
 
 def test_backend_sigkilled_mid_stream_ends_with_an_error_the_sdk_raises(
@@ -98,7 +91,7 @@ def test_backend_sigkilled_mid_stream_ends_with_an_error_the_sdk_raises(
                 doomed.proc.popen.send_signal(signal.SIGKILL)
     assert 3 <= len(got) < 100
     assert breaker(gw, "s0")["failures"] == 1
-    assert metric(gw, "gateway_stream_failures_total", cause="dropped") == 1
+    assert metric(gw.url, "gateway_stream_failures_total", cause="dropped") == 1
     assert http_ok(gw.url + "/healthz")
 
 
@@ -124,8 +117,8 @@ def test_in_band_errors_in_200_streams_open_the_breaker(
     assert breaker(gw, "s0")["state"] == "open"
     assert breaker(gw, "s1") == {"state": "closed", "failures": 0, "probes": 0,
                                  "opened_at": None}
-    assert metric(gw, "gateway_stream_failures_total", cause="inband") == 3
-    assert metric(gw, "gateway_breaker_state", backend="s0") == 2
+    assert metric(gw.url, "gateway_stream_failures_total", cause="inband") == 3
+    assert metric(gw.url, "gateway_breaker_state", backend="s0") == 2
 
 
 def test_health_fine_but_completions_failing_is_ejected(
@@ -142,16 +135,13 @@ def test_health_fine_but_completions_failing_is_ejected(
         "backends"]}
     assert states == {"s0": "ready", "s1": "ready"}  # /health still says fine
     assert breaker(gw, "s0")["state"] == "open"
-    assert metric(gw, "gateway_retries_total", reason="500") == 3
+    assert metric(gw.url, "gateway_retries_total", reason="500") == 3
 
 
 def test_client_errors_never_trip_but_a_5xx_streak_between_them_does(
     tmp_path: Path, redis_server: RedisServer, cleanup: list[Any],
 ) -> None:
-    sim = Sim(tmp_path, "picky", "--max-prompt-len", "40")
-    cleanup.append(sim)
-    gw = start(tmp_path, "picky", [sim], redis_server.url)
-    cleanup.append(gw)
+    _, gw = alone(tmp_path, "picky", redis_server.url, cleanup, "--max-prompt-len", "40")
     long_prompt = [{"role": "user", "content": "word " * 50}]
 
     async def hundred() -> list[int]:
@@ -188,11 +178,8 @@ def test_busy_with_retry_after_backs_off_without_touching_the_breaker(
 def test_half_open_lets_exactly_one_probe_through_out_of_fifty(
     tmp_path: Path, redis_server: RedisServer, cleanup: list[Any],
 ) -> None:
-    sim = Sim(tmp_path, "probe")
-    cleanup.append(sim)
-    gw = start(tmp_path, "probe", [sim], redis_server.url, reset_timeout=1.0,
-               extra='panic = "degrade"\n[degraded]\ncache = false\n')
-    cleanup.append(gw)
+    sim, gw = alone(tmp_path, "probe", redis_server.url, cleanup, reset_timeout=1.0,
+                    extra='panic = "degrade"\n[degraded]\ncache = false\n')
     for _ in range(3):
         post(gw, "fault=500")
     assert breaker(gw, "s0")["state"] == "open"
@@ -218,10 +205,7 @@ def test_half_open_lets_exactly_one_probe_through_out_of_fifty(
 def test_long_prefill_is_not_a_timeout_and_leaves_the_breaker_alone(
     tmp_path: Path, redis_server: RedisServer, cleanup: list[Any],
 ) -> None:
-    sim = Sim(tmp_path, "prefill")
-    cleanup.append(sim)
-    gw = start(tmp_path, "prefill", [sim], redis_server.url)
-    cleanup.append(gw)
+    _, gw = alone(tmp_path, "prefill", redis_server.url, cleanup)
     reply = httpx.post(gw.url + CHAT, json=BODY, headers={"x-sim": "ttft=45"}, timeout=120)
     assert reply.status_code == 200 and reply.json()["choices"]
     assert breaker(gw, "s0")["failures"] == 0
@@ -230,11 +214,8 @@ def test_long_prefill_is_not_a_timeout_and_leaves_the_breaker_alone(
 def test_idle_stall_ends_the_stream_closes_upstream_and_counts(
     tmp_path: Path, redis_server: RedisServer, cleanup: list[Any],
 ) -> None:
-    sim = Sim(tmp_path, "stall")
-    cleanup.append(sim)
-    gw = start(tmp_path, "stall", [sim], redis_server.url,
-               extra="[upstream]\nidle_timeout = 1.0\n")
-    cleanup.append(gw)
+    sim, gw = alone(tmp_path, "stall", redis_server.url, cleanup,
+                    extra="[upstream]\nidle_timeout = 1.0\n")
     with pytest.raises(openai.APIError, match="stalled"):
         for _ in sdk(gw).chat.completions.create(
             model="sim-model", messages=MESSAGES, stream=True,  # type: ignore[arg-type]
@@ -243,7 +224,7 @@ def test_idle_stall_ends_the_stream_closes_upstream_and_counts(
             pass
     wait_for(lambda: sim.stats()["cancelled"] == 1, 5, "the upstream to be closed")
     assert breaker(gw, "s0")["failures"] == 1
-    assert metric(gw, "gateway_stream_failures_total", cause="stalled") == 1
+    assert metric(gw.url, "gateway_stream_failures_total", cause="stalled") == 1
 
 
 def degraded_scenario(gw: Gateway, sim_name: str) -> None:
@@ -277,15 +258,12 @@ def degraded_scenario(gw: Gateway, sim_name: str) -> None:
 def test_all_breakers_open_answer_from_cache_then_static_then_recover(
     tmp_path: Path, redis_server: RedisServer, cleanup: list[Any],
 ) -> None:
-    sim = Sim(tmp_path, "only")
-    cleanup.append(sim)
-    gw = start(tmp_path, "degraded", [sim], redis_server.url, reset_timeout=2.0,
-               extra=f'panic = "degrade"\n[degraded]\nstatic_message = "{STATIC}"\n')
-    cleanup.append(gw)
+    _, gw = alone(tmp_path, "only", redis_server.url, cleanup, reset_timeout=2.0,
+                    extra=f'panic = "degrade"\n[degraded]\nstatic_message = "{STATIC}"\n')
     degraded_scenario(gw, "s0")
-    assert metric(gw, "gateway_degraded_replies_total", kind="cache") == 2
+    assert metric(gw.url, "gateway_degraded_replies_total", kind="cache") == 2
     # 3 failed attempts (the backend's 500 replaced by the static message) + 1 unasked
-    assert metric(gw, "gateway_degraded_replies_total", kind="static") == 4
+    assert metric(gw.url, "gateway_degraded_replies_total", kind="static") == 4
     wait_for(lambda: "x-gateway-degraded" not in post(gw, temperature=0).headers, 10,
              "the gateway to serve from the backend again")
     assert breaker(gw, "s0")["state"] == "closed"
@@ -302,7 +280,7 @@ def test_redis_stopped_breakers_and_degraded_replies_keep_working(
     cleanup.append(gw)
     server.stop()
     degraded_scenario(gw, "s0")  # local breaker state, the in-process reply copy
-    assert metric(gw, "gateway_redis_up") == 0
+    assert metric(gw.url, "gateway_redis_up") == 0
     assert "redis unavailable" in gw.proc.output()
 
 

@@ -23,13 +23,6 @@ def trio(tmp: Path) -> Iterator[list[Sim]]:
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp)
-    yield server
-    server.stop()
-
-
 def sticky_config(sims: list[Sim], redis_url: str, extra: str = "") -> str:
     return (f'[redis]\nurl = "{redis_url}"\ntimeout = 0.2\nretry_interval = 0.5\n'
             f"[routing]\nsession_ttl = 30\n{extra}[health]\ninterval = 0.5\nrise = 1\n"
