@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from gateway.policies import make_policy
 from gateway.pool import BackendPool
 from gateway.proxy import Proxy
 from gateway.redislink import RedisLink
-from gateway.reload import Reloadable, apply
+from gateway.reload import Reloadable, apply, background
 from gateway.replies import ReplyCache
 from gateway.router import Router
 from gateway.status import Status
@@ -188,7 +188,7 @@ class GatewayApp:
                 if backend.managed:
                     self.supervisors[backend.name] = self._supervisor(backend)
             if self.config.supervisor.sequential_start:
-                self._spawn(start_in_turn(list(self.supervisors.values())))
+                background(self.reloadable, start_in_turn(list(self.supervisors.values())))
             else:
                 for supervisor in self.supervisors.values():
                     supervisor.start()
@@ -208,7 +208,7 @@ class GatewayApp:
                 loops.append(asyncio.create_task(scraper.run(), name="load"))
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 asyncio.get_running_loop().add_signal_handler(
-                    signal.SIGHUP, lambda: self._spawn(self.reload("SIGHUP")))
+                    signal.SIGHUP, lambda: background(self.reloadable, self.reload("SIGHUP")))
             log.info("backends at start: %s", ", ".join(
                 f"{b.name}={b.state.value}" for b in self.pool.backends))
             try:
@@ -225,11 +225,6 @@ class GatewayApp:
 
     def _supervisor(self, backend: Backend) -> Supervisor:
         return Supervisor(backend, self.config.supervisor, self._probe)
-
-    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
-        task = asyncio.ensure_future(coro)
-        self.reloadable.background.add(task)
-        task.add_done_callback(self.reloadable.background.discard)
 
     async def reload(self, who: str) -> tuple[bool, dict[str, Any]]:
         """Read the config file again and apply what can change while running."""

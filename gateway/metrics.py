@@ -3,8 +3,8 @@
 With several worker processes, ``serve`` sets ``PROMETHEUS_MULTIPROC_DIR`` before the
 workers start; every process then writes its values there and any worker's ``/metrics``
 adds them all up (prometheus-client's multiprocess mode). Gauges say how: ``livesum``
-(in flight), ``livemax`` (states every process sees alike), ``mostrecent``-like values
-such as weights use ``livemax`` too.
+for in-flight counts, ``livemin`` for Redis health, ``livemax`` for the rest (states,
+weights and readings every process sees alike).
 """
 
 from __future__ import annotations

@@ -30,11 +30,11 @@ from gateway.errors import (
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.metrics import Metrics
 from gateway.names import ModelNames
-from gateway.observe import RequestLog
+from gateway.observe import RequestLog, Tally
 from gateway.pool import BackendPool
 from gateway.retry import RETRIABLE, RetryBudget, backoff, retry_after
 from gateway.router import Router
-from gateway.shadow import Shadow, Tally
+from gateway.shadow import Shadow
 from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
@@ -170,8 +170,7 @@ class Proxy:
 
     async def _serve(self, ctx: RequestContext, send: Send, deadline: Deadline) -> None:
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        total = started + self._timeouts.total_timeout
+        total = loop.time() + self._timeouts.total_timeout
         self._budget.deposit()
         if self._canary.enabled:
             await self._router.assign_arm(ctx)
@@ -227,7 +226,7 @@ class Proxy:
             finally:
                 backend.in_flight -= 1
                 ticket.done(Outcome.NEUTRAL)  # no-op once an outcome was given
-                self._tally.attempt(ticket, started)
+                self._tally.attempt(ticket, ctx.started)
         if not tried and not self._pool.known_model(ctx.model):
             raise ModelNotFound(f"The model `{ctx.model}` does not exist.")
         why = (failure.message if failure else

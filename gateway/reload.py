@@ -84,7 +84,7 @@ def _retire(parts: Reloadable, backend: Backend) -> asyncio.Future[object] | Non
     if supervisor is None:
         backend.state = BackendState.STOPPED
         return None
-    return _background(parts, supervisor.drain_and_stop())
+    return background(parts, supervisor.drain_and_stop())
 
 
 def _start_after(parts: Reloadable, backend: Backend,
@@ -97,10 +97,11 @@ def _start_after(parts: Reloadable, backend: Backend,
             await predecessor  # the old process holds the port until it stopped
         supervisor.start()
 
-    _background(parts, start())
+    background(parts, start())
 
 
-def _background(parts: Reloadable, coro: Coroutine[Any, Any, object]) -> asyncio.Future[object]:
+def background(parts: Reloadable, coro: Coroutine[Any, Any, object]) -> asyncio.Future[object]:
+    """Run ``coro`` as a task the app cancels at shutdown."""
     task = asyncio.ensure_future(coro)
     parts.background.add(task)
     task.add_done_callback(parts.background.discard)

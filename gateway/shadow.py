@@ -1,4 +1,4 @@
-"""Per-group accounting of attempts, and shadow requests mirrored to the canary group."""
+"""Shadow requests: stable traffic mirrored to the canary group, answers thrown away."""
 
 from __future__ import annotations
 
@@ -7,44 +7,17 @@ import contextlib
 import dataclasses
 import logging
 
-from gateway.breaker import Outcome, Ticket
+from gateway.breaker import Outcome
 from gateway.canary import Canary
 from gateway.headers import upstream_request_headers
 from gateway.metrics import Metrics
 from gateway.names import ModelNames
+from gateway.observe import Tally
 from gateway.router import Router
 from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
 
 log = logging.getLogger("gateway.shadow")
-
-class Tally:
-    """Counts every attempt for its backend's group (metrics, and the canary's windows)."""
-
-    def __init__(self, metrics: Metrics, canary: Canary) -> None:
-        self._requests = metrics.group_requests
-        self._ttft = metrics.group_ttft
-        self._canary = canary
-
-    def attempt(self, ticket: Ticket, started: float) -> None:
-        group = ticket.backend.spec.group
-        outcome = ticket.outcome
-        if outcome is Outcome.FAILURE:
-            label = "error"
-        elif outcome is Outcome.SUCCESS:
-            label = "ok"
-        elif 400 <= ticket.status < 500 and ticket.status != 429:
-            label = "client_error"
-        else:
-            label = "other"  # busy, or the client left
-        self._requests.labels(group, label).inc()
-        ttft = None
-        if ticket.first_byte is not None and label == "ok":
-            ttft = ticket.first_byte - started
-            self._ttft.labels(group).observe(ttft)
-        if self._canary.enabled and label != "other":
-            self._canary.observe(group, label == "error", ttft)
-
 
 class Shadow:
     """Mirrors a request to the canary group; the answer is read and thrown away."""
