@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import report, targets
+from bench import report, scaling, targets
 from bench.common import (
     HAVE_TASKSET,
     LOAD_CORE,
@@ -35,6 +35,7 @@ from bench.common import (
 
 Starter = Callable[[list[str], Path], targets.Running]
 SATURATED = 0.95
+ITL = 0.02  # the simulators' gap between chunks, seconds
 
 
 def direct(sims: list[str], tmp: Path) -> targets.Running:
@@ -79,9 +80,12 @@ class Bench:
 
     def latency(self, run: targets.Running) -> dict[str, dict[str, object]]:
         a = self.args
+        # c64: 64 streams open at any moment, arrivals evenly spaced over one stream's length
+        # (64 chunks x 20 ms); burst: 64 streams that all start in the same instant.
         return {
             "c1": self.phase(run, 1, a.c1_requests, 8, "--warmup", "3"),
-            "c64": self.phase(run, 64, a.c64_requests, 64),
+            "c64": self.phase(run, 64, a.c64_requests, 64, "--spread", str(64 * ITL)),
+            "burst": self.phase(run, 64, a.burst_requests, 8),
             "plain": self.phase(run, 64, a.plain_requests, 8, "--no-stream", "--model",
                                 "quick-model", "--warmup", "2"),
         }
@@ -107,7 +111,8 @@ def main() -> int:
     parser.add_argument("--targets", nargs="+", default=list(STARTERS))
     parser.add_argument("--levels", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--c1-requests", type=int, default=30)
-    parser.add_argument("--c64-requests", type=int, default=3)
+    parser.add_argument("--c64-requests", type=int, default=4)
+    parser.add_argument("--burst-requests", type=int, default=3)
     parser.add_argument("--plain-requests", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--raw", type=Path, default=Path("bench/results/compare.json"))
@@ -119,11 +124,12 @@ def main() -> int:
     if args.report_only:
         raw = json.loads(args.raw.read_text())
         summary = report.summarise(raw["rounds"], raw["capacity"])
-        report.write(args.out, raw["setup"], summary, raw.get("argv", []))
+        report.write(args.out, raw["setup"], summary, raw.get("argv", []), raw.get("scaling"))
         return 0
     if args.smoke:
         args.rounds, args.targets, args.levels = 1, ["direct", "vllm-gateway"], [16]
         args.c1_requests, args.c64_requests, args.plain_requests = 3, 1, 1
+        args.burst_requests = 1
     missing = [t for t, ok in targets.available().items() if t in args.targets and not ok]
     if missing:
         print(f"missing peers {missing}: run bash bench/install_peers.sh", file=sys.stderr)
@@ -134,7 +140,7 @@ def main() -> int:
     sims = [f"http://127.0.0.1:{p}" for p in ports]
     models = ["--model", "sim-model", "--model", "hold-model:itl=0.5",
               "--model", "quick-model:itl=0"]
-    procs = [start(LOAD_CORE, sim_argv(p, 0.02, *models), tmp / f"sim{p}.log") for p in ports]
+    procs = [start(LOAD_CORE, sim_argv(p, ITL, *models), tmp / f"sim{p}.log") for p in ports]
     rounds: dict[str, list[dict[str, dict[str, object]]]] = {t: [] for t in args.targets}
     capacity: dict[str, dict[str, object]] = {}
     started = time.monotonic()
@@ -156,6 +162,10 @@ def main() -> int:
     finally:
         for p in procs:
             stop(p)
+    workers = None
+    if "vllm-gateway" in args.targets and scaling.available():
+        workers = scaling.run(args.rounds, seconds=2 if args.smoke else 5)
+        print("scaling done", file=sys.stderr)
     elapsed = time.monotonic() - started
     setup = (f"{args.rounds} interleaved rounds, medians; proxies pinned to core {PROXY_CORE}, "
              f"2 simulators and the load generator to core {LOAD_CORE}"
@@ -164,11 +174,11 @@ def main() -> int:
              + f"{LOAD_CORE} with the load; suite took {elapsed / 60:.1f} min")
     summary = report.summarise(rounds, capacity)
     raw = {"setup": setup, "summary": summary, "rounds": rounds, "capacity": capacity,
-           "argv": sys.argv[1:]}
+           "scaling": workers, "argv": sys.argv[1:]}
     args.raw.parent.mkdir(parents=True, exist_ok=True)
     if not args.smoke:
         args.raw.write_text(json.dumps(raw, indent=1))
-        report.write(args.out, setup, summary, sys.argv[1:])
+        report.write(args.out, setup, summary, sys.argv[1:], workers)
     print(json.dumps(summary, indent=1))
     saturated = [f"{t} {p}" for t, rs in rounds.items() for rr in rs for p, v in rr.items()
                  if p != "plain" and float(v["load_core_busy"]) > SATURATED]  # type: ignore[arg-type]

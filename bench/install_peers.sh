@@ -7,6 +7,7 @@ PY=${PYTHON:-python3}
 if ! command -v nginx >/dev/null; then
   apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null
 fi
+command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 command -v taskset >/dev/null || { apt-get update -qq && apt-get install -y -qq util-linux; }
 mkdir -p .peers
 if [ ! -x .peers/router/bin/vllm-router ]; then

@@ -5,6 +5,11 @@
 latency, and the events and bytes of every stream, so that runs through different
 proxies can be checked against the direct one.
 
+By default every worker starts at once, so each round of requests arrives as one burst.
+``--spread S`` starts worker i at ``i * S / concurrency`` instead: with S one stream's
+length, arrivals are evenly spaced and ``concurrency`` streams stay open at any moment
+(the steady state of a service holding that many streams).
+
     python -m bench.loadgen http://127.0.0.1:8080 --concurrency 64 --requests 4
 """
 
@@ -103,7 +108,7 @@ async def _plain(session: aiohttp.ClientSession, url: str, body: bytes, s: Sampl
 
 async def run(urls: list[str], concurrency: int, requests: int, tokens: int,
               model: str = "sim-model", stream: bool = True, warmup: int = 1,
-              timeout_s: float = 300) -> Result:
+              timeout_s: float = 300, spread: float = 0) -> Result:
     targets = [u.rstrip("/") + "/v1/chat/completions" for u in urls]
     body = json.dumps({"model": model, "stream": stream, "max_tokens": tokens,
                        "messages": [{"role": "user", "content": "benchmark"}]}).encode()
@@ -111,8 +116,10 @@ async def run(urls: list[str], concurrency: int, requests: int, tokens: int,
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async def worker(i: int, n: int, s: Samples) -> None:
+        async def worker(i: int, n: int, s: Samples, delay: float = 0) -> None:
             url = targets[i % len(targets)]
+            if delay:
+                await asyncio.sleep(delay)
             for _ in range(n):
                 try:
                     await one(session, url, body, s)
@@ -124,7 +131,8 @@ async def run(urls: list[str], concurrency: int, requests: int, tokens: int,
         s = Samples()
         cpu = time.process_time()
         started = time.perf_counter()
-        await asyncio.gather(*(worker(i, requests, s) for i in range(concurrency)))
+        await asyncio.gather(*(worker(i, requests, s, i * spread / concurrency)
+                               for i in range(concurrency)))
         wall = time.perf_counter() - started
         cpu = time.process_time() - cpu
     n = concurrency * requests
@@ -147,6 +155,8 @@ def main() -> None:
     parser.add_argument("--no-stream", action="store_true")
     parser.add_argument("--warmup", type=int, default=1, help="requests per worker first")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per request")
+    parser.add_argument("--spread", type=float, default=0,
+                        help="seconds over which the workers' first requests are spread")
     args = parser.parse_args()
     try:
         import uvloop
@@ -155,7 +165,8 @@ def main() -> None:
     except ImportError:
         pass
     result = asyncio.run(run(args.url, args.concurrency, args.requests, args.tokens,
-                             args.model, not args.no_stream, args.warmup, args.timeout))
+                             args.model, not args.no_stream, args.warmup, args.timeout,
+                             args.spread))
     print(json.dumps(asdict(result)))
 
 
