@@ -182,6 +182,8 @@ def main() -> int:
     print(json.dumps(summary, indent=1))
     saturated = [f"{t} {p}" for t, rs in rounds.items() for rr in rs for p, v in rr.items()
                  if p != "plain" and float(v["load_core_busy"]) > SATURATED]  # type: ignore[arg-type]
+    if workers and workers["summary"]["1 worker"]["load_core_busy"] > SATURATED:
+        saturated.append("scaling, 1 worker")
     mismatched = [t for t, s in summary.items() if not s["shapes_match"]]
     if saturated and not args.smoke:
         print(f"REJECTED: load core saturated in {saturated}", file=sys.stderr)

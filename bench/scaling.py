@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -85,7 +86,9 @@ def wrk(url: str, seconds: int, connections: int, tmp: Path) -> dict[str, Any]:
                       'wrk.headers["Content-Type"] = "application/json"\n')
     argv = pinned(LOAD_CORE, ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
                               "-s", str(script), url + "/v1/chat/completions"])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = done.stdout
 
     def number(pattern: str) -> float:
@@ -96,7 +99,9 @@ def wrk(url: str, seconds: int, connections: int, tmp: Path) -> dict[str, Any]:
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     errors += sum(int(x) for x in sock.groups()) if sock else 0
     return {"rps": number(r"Requests/sec:\s+([\d.]+)"),
-            "requests": int(number(r"(\d+) requests in")), "errors": errors}
+            "requests": int(number(r"(\d+) requests in")), "errors": errors,
+            "wrk_cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime
+                               - before.ru_stime, 3)}
 
 
 def measure(name: str, url: str, proc: subprocess.Popen[bytes] | None,
@@ -109,7 +114,9 @@ def measure(name: str, url: str, proc: subprocess.Popen[bytes] | None,
     wall = time.perf_counter() - t0
     result["gateway_cpu_ms_per_request"] = round(
         ((cpu_seconds(proc.pid) - gw0) if proc else 0.0) / max(result["requests"], 1) * 1000, 3)
-    result["backend_cpu_share"] = round((cpu_seconds(backend.pid) - be0) / wall, 3)
+    # wrk and the static backend share the load core: how busy they kept it themselves.
+    result["load_core_busy"] = round((cpu_seconds(backend.pid) - be0 + result["wrk_cpu_s"])
+                                     / wall, 3)
     result["name"] = name
     return result
 
@@ -148,6 +155,7 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {name: {"rps": med(name, "rps"),
                                   "gateway_cpu_ms_per_request":
                                       med(name, "gateway_cpu_ms_per_request"),
+                                  "load_core_busy": med(name, "load_core_busy"),
                                   "errors": sum(r["errors"] for r in runs[name])}
                            for name in runs}
     one = out["1 worker"]["rps"]
@@ -157,10 +165,12 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     s = result["summary"]
-    rows = ["| target | req/s | gateway CPU ms / request | errors |", "|---|---|---|---|"]
+    rows = ["| target | req/s | gateway CPU ms / request | wrk + backend CPU / wall | errors |",
+            "|---|---|---|---|---|"]
     for name in ("direct", "1 worker", "2 workers"):
-        rows.append(f"| {name} | {s[name]['rps']:.0f} | {s[name]['gateway_cpu_ms_per_request']:.3f}"
-                    f" | {s[name]['errors']} |")
+        r = s[name]
+        rows.append(f"| {name} | {r['rps']:.0f} | {r['gateway_cpu_ms_per_request']:.3f} "
+                    f"| {r['load_core_busy']:.0%} | {r['errors']} |")
     return "\n".join(rows) + f"\n\n2 workers / 1 worker: **{s['speedup']:.2f}x** req/s."
 
 
