@@ -80,20 +80,22 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     names = [n for n in summary if n != "direct"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = [
-        ("added TTFT p50 at 64 streams (ms)", "ttft_add_c64_p50", False),
+        ("added TTFT p50 at 64 streams (ms; at or below 0.01 drawn at 0.01)", "ttft_add_c64_p50",
+         True),
         ("proxy CPU s per 1,000 streams", "cpu_s_per_1k_streams", True),
         ("proxy CPU s per 1,000 non-stream requests", "cpu_s_per_1k_plain", True),
     ]
     for ax, (title, key, log) in zip(axes, panels, strict=True):
-        values = [max(summary[n][key], 1e-3) for n in names]
+        actual = [summary[n][key] for n in names]
+        values = [max(v, 1e-2) for v in actual]
         ax.bar(names, values, color=["#2a9d8f" if n == "vllm-gateway" else "#8d99ae"
                                      for n in names])
         ax.set_title(title, fontsize=10)
         if log:
             ax.set_yscale("log")
         ax.tick_params(axis="x", rotation=20)
-        for i, v in enumerate(values):
-            ax.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
+        for i, (v, a) in enumerate(zip(values, actual, strict=True)):
+            ax.annotate(f"{a:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
