@@ -53,6 +53,9 @@ class AiohttpUpstream:
                 # Phase deadlines (first byte, idle, total) are enforced by the proxy.
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout),
                 auto_decompress=False,
+                # One session serves every client: a cookie a backend sets must not ride on
+                # the next client's request (it passes through to its own client untouched).
+                cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
             )
         return self._session

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+
 import httpx
 
 from gateway.config import UpstreamSection
@@ -37,7 +39,12 @@ class HttpxUpstream:
         )
         # No library timeouts besides connect: the proxy enforces the phase deadlines.
         timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
-        self._client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+        # One client serves every client of the gateway: a jar that accepts no domain keeps
+        # a cookie one backend answer sets off the next request (it still passes through).
+        no_cookies = CookieJar(DefaultCookiePolicy(allowed_domains=[]))
+        self._client = httpx.AsyncClient(
+            limits=limits, timeout=timeout, trust_env=False, cookies=no_cookies
+        )
 
     async def request(self, method: str, url: str, headers: Headers, body: bytes) -> HttpxResponse:
         req = self._client.build_request(method, url, headers=headers, content=body)
