@@ -11,6 +11,7 @@ A latency phase whose load core was saturated (>95 % busy) is marked and fails t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -131,6 +132,8 @@ def main() -> int:
         args.c1_requests, args.c64_requests, args.plain_requests = 3, 1, 1
         args.burst_requests = 1
     missing = [t for t, ok in targets.available().items() if t in args.targets and not ok]
+    if not args.smoke and importlib.util.find_spec("matplotlib") is None:
+        missing.append("matplotlib (the plot)")
     if missing:
         print(f"missing peers {missing}: run bash bench/install_peers.sh", file=sys.stderr)
         return 2

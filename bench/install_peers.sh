@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the peers the comparison runs against, each in its own venv under bench/.peers/.
-# nginx comes from Debian; vllm-router and the LiteLLM proxy from PyPI (pinned).
+# nginx and wrk come from Debian, matplotlib (the bench extra) goes into ../.venv; vllm-router and the LiteLLM proxy from PyPI (pinned).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -9,6 +9,10 @@ if ! command -v nginx >/dev/null; then
 fi
 command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 command -v taskset >/dev/null || { apt-get update -qq && apt-get install -y -qq util-linux; }
+# The plot in docs/BENCHMARKS.md needs the bench extra in the project's venv.
+if [ -x ../.venv/bin/python ]; then
+  ../.venv/bin/python -m pip install -q -e '..[bench]'
+fi
 mkdir -p .peers
 if [ ! -x .peers/router/bin/vllm-router ]; then
   "$PY" -m venv .peers/router
