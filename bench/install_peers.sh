@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the peers the comparison runs against, each in its own venv under bench/.peers/.
-# nginx and wrk come from Debian, matplotlib (the bench extra) goes into ../.venv; vllm-router and the LiteLLM proxy from PyPI (pinned).
+# nginx and wrk come from Debian; vllm-router and the LiteLLM proxy from PyPI (pinned);
+# matplotlib (the bench extra, for the plot) goes into the project's ../.venv.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

@@ -29,22 +29,20 @@ async def _exchange(client: str) -> tuple[list[bytes], list[str | None]]:
     app.router.add_post("/v1/chat/completions", handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    # A host name, not an IP: aiohttp's default jar ignores cookies from IP addresses only.
-    site = web.TCPSite(runner, "localhost", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0)  # one socket, so one port
     await site.start()
     port = runner.addresses[0][1]
     upstream = make_upstream(UpstreamSection(client=client))
+    # A host name, not an IP: aiohttp's default jar ignores cookies from IP addresses only.
     url = f"http://localhost:{port}/v1/chat/completions"
+    set_cookie: list[bytes] = []
     try:
-        first = await upstream.request("POST", url, [(b"content-type", b"application/json")], b"{}")
-        set_cookie = [v for k, v in first.headers if k.lower() == b"set-cookie"]
-        while await first.read():
-            pass
-        await first.aclose(reuse=True)
-        second = await upstream.request("POST", url, [], b"{}")
-        while await second.read():
-            pass
-        await second.aclose(reuse=True)
+        for _ in range(2):
+            resp = await upstream.request("POST", url, [], b"{}")
+            set_cookie = set_cookie or [v for k, v in resp.headers if k.lower() == b"set-cookie"]
+            while await resp.read():
+                pass
+            await resp.aclose(reuse=True)
     finally:
         await upstream.aclose()
         await runner.cleanup()
