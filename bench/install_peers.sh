@@ -11,7 +11,7 @@ fi
 command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 command -v taskset >/dev/null || { apt-get update -qq && apt-get install -y -qq util-linux; }
 # The plot in docs/BENCHMARKS.md needs the bench extra in the project's venv.
-if [ -x ../.venv/bin/python ]; then
+if [ -x ../.venv/bin/python ] && ! ../.venv/bin/python -c 'import matplotlib' 2>/dev/null; then
   ../.venv/bin/python -m pip install -q -e '..[bench]'
 fi
 mkdir -p .peers
