@@ -41,6 +41,7 @@ from gateway.config import CONFIG_ENV, Config, ConfigError, load
 from gateway.degraded import Degraded
 from gateway.embedded_redis import EmbeddedValkey
 from gateway.errors import StreamAborted, error_body
+from gateway.http10 import Http10Framing
 from gateway.metrics import Metrics
 from gateway.names import ModelNames
 from gateway.policies import make_policy
@@ -76,7 +77,7 @@ class GatewayApp:
         self.router = Router(self.pool, make_policy(config.routing), None, config.routing,
                              self.metrics, self.breakers, self.canary,
                              make_policy(config.routing, config.routing.pin_policy))
-        self.replies = ReplyCache(config.degraded)
+        self.replies = ReplyCache(config.degraded, dropped=self.metrics.reply_cache_dropped)
         degraded = Degraded(config.degraded, self.replies, self.metrics)
         self.proxy = Proxy(config, self.pool, self.upstream, self.router, degraded, self.metrics,
                            self.canary)
@@ -106,7 +107,7 @@ class GatewayApp:
             lifespan=self._lifespan,
         )
         keys = [k.get_secret_value() for k in config.gateway.api_keys]
-        self._guarded = ApiKeyAuth(self._dispatch, keys)
+        self._guarded = Http10Framing(ApiKeyAuth(self._dispatch, keys))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._guarded(scope, receive, send)
@@ -170,7 +171,8 @@ class GatewayApp:
         client = aioredis.from_url(
             url, socket_timeout=settings.timeout, socket_connect_timeout=settings.timeout,
             retry=Retry(NoBackoff(), 0), decode_responses=True)
-        link = RedisLink(client, settings.key_prefix, settings.retry_interval, self.metrics)
+        link = RedisLink(client, settings.key_prefix, settings.retry_interval, self.metrics,
+                         timeout=settings.timeout)
         try:
             yield link
         finally:

@@ -28,6 +28,8 @@ REQUEST_DROP = HOP_BY_HOP | {b"authorization", b"host", b"content-length", b"x-r
 RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
 # A stream may end early with an error event, so its length is never promised.
 STREAM_RESPONSE_DROP = RESPONSE_DROP | {b"content-length", b"cache-control", b"x-accel-buffering"}
+# A body the gateway rewrote: its length is the gateway's to state.
+LENGTH_DROP = RESPONSE_DROP | {b"content-length"}
 STREAM_HEADERS: Headers = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
@@ -62,9 +64,16 @@ def upstream_request_headers(client: Headers, backend: Backend, request_id: str)
 
 
 def client_response_headers(
-    upstream: Iterable[tuple[bytes, bytes]], backend: Backend, request_id: str, stream: bool
+    upstream: Iterable[tuple[bytes, bytes]], backend: Backend, request_id: str, stream: bool,
+    length: int | None = None,
 ) -> Headers:
-    out = filter_headers(upstream, STREAM_RESPONSE_DROP if stream else RESPONSE_DROP)
+    """The reply's headers for the client. ``length`` replaces the backend's
+    ``Content-Length`` when the gateway changed the body (a rewritten model name)."""
+    if length is not None:
+        out = filter_headers(upstream, LENGTH_DROP)
+        out.append((b"content-length", str(length).encode()))
+    else:
+        out = filter_headers(upstream, STREAM_RESPONSE_DROP if stream else RESPONSE_DROP)
     out.append((b"x-request-id", request_id.encode()))
     out.append((b"x-gateway-backend", backend.name.encode()))
     out.append((b"x-gateway-group", backend.spec.group.encode()))

@@ -86,6 +86,9 @@ class Metrics:
             "rebalance (moved off an overloaded backend), fallback (Redis unavailable)",
             ("result",))
         self.redis_errors = counter("gateway_redis_errors_total", "Failed Redis calls")
+        self.reply_cache_dropped = counter(
+            "gateway_reply_cache_dropped_total",
+            "Replies not kept for degraded answers because the write queue was full")
         self.redis_up = gauge("gateway_redis_up", "1 while Redis answers", (), "livemin")
         self.redis_latency = histogram(
             "gateway_redis_latency_seconds", "Redis round trips", (),

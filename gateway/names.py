@@ -30,11 +30,5 @@ class ModelNames:
             return ctx.body
         return orjson.dumps({**ctx.payload, "model": served})
 
-    @staticmethod
-    def rewrite(served: str, model: str) -> tuple[bytes, bytes]:
-        """The bytes to replace in a reply so it names the client's model again (vLLM and
-        the simulator write compact JSON: ``"model":"NAME"``)."""
-        return b'"model":' + orjson.dumps(served), b'"model":' + orjson.dumps(model)
-
     def __bool__(self) -> bool:
         return bool(self._served)

@@ -29,10 +29,10 @@ from gateway.errors import (
 )
 from gateway.headers import client_response_headers, upstream_request_headers
 from gateway.metrics import Metrics
-from gateway.names import ModelNames
 from gateway.observe import RequestLog, Tally
 from gateway.pool import BackendPool
 from gateway.retry import RETRIABLE, RetryBudget, backoff, retry_after
+from gateway.rewrite import ModelRewrite
 from gateway.router import Router
 from gateway.shadow import Shadow
 from gateway.types import RequestContext
@@ -43,6 +43,12 @@ log = logging.getLogger("gateway.proxy")
 # How vLLM reports a failure inside an HTTP 200 stream. A JSON string can't hold this
 # byte sequence unescaped, so a token can never look like it.
 INBAND_ERROR = b'data: {"error"'
+INBAND = len(INBAND_ERROR)
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    """A header's value (``name`` in lower case), or b"" when absent."""
+    return next((v for k, v in headers if k.lower() == name), b"")
 
 
 
@@ -54,11 +60,10 @@ class Proxy:
         degraded: Degraded, metrics: Metrics, canary: Canary,
     ) -> None:
         self._pool = pool
-        self._names = pool.names
         self._canary = canary
         self._tally = Tally(metrics, canary)
         self._log = RequestLog(metrics, config.gateway.access_log)
-        self._shadow = Shadow(upstream, router, pool.names, canary, metrics,
+        self._shadow = Shadow(upstream, router, pool, canary, metrics,
                               config.upstream.total_timeout)
         self._degraded = degraded
         self._replies = degraded.cache
@@ -257,8 +262,7 @@ class Proxy:
         """A 429/503 with Retry-After: busy, not broken. Skip the backend that long."""
         if resp.status not in (429, 503):
             return False
-        seconds = retry_after(next((v for k, v in resp.headers
-                                    if k.lower() == b"retry-after"), None))
+        seconds = retry_after(header(resp.headers, b"retry-after") or None)
         if not seconds:
             return False
         backend.busy_until = time.monotonic() + seconds
@@ -270,7 +274,7 @@ class Proxy:
     ) -> UpstreamResponse | None:
         """Send the request; None when no connection could be made (try another backend)."""
         headers = upstream_request_headers(ctx.headers, backend, ctx.request_id)
-        body = self._names.body_for(ctx, backend.spec.group)
+        body = self._pool.names.body_for(ctx, backend.spec.group)
         try:
             return await self._upstream.request("POST", backend.url + ctx.path, headers, body)
         except ConnectFailed as exc:
@@ -285,14 +289,26 @@ class Proxy:
             raise UpstreamTimeout(
                 f"backend {backend.name} sent no response headers in time") from None
 
+    def _rewrite(self, ctx: RequestContext, backend: Backend,
+                 headers: list[tuple[bytes, bytes]]) -> ModelRewrite | None:
+        """How the reply must change to name the client's model, or None (bytes pass as
+        they are). An encoded body can't be rewritten; vLLM never encodes its replies."""
+        served = self._pool.names.served(ctx.model, backend.spec.group)
+        if served == ctx.model or header(headers, b"content-encoding") not in (b"", b"identity"):
+            return None
+        return ModelRewrite(served, ctx.model)
+
     async def _relay(
         self, resp: UpstreamResponse, ticket: Ticket, ctx: RequestContext, send: Send,
         deadline: Deadline, loop: asyncio.AbstractEventLoop,
     ) -> None:
         backend = ticket.backend
         ctx.served_by, ctx.status = backend, resp.status
-        content_type = next((v for k, v in resp.headers if k.lower() == b"content-type"), b"")
-        stream = content_type.startswith(b"text/event-stream")
+        stream = header(resp.headers, b"content-type").startswith(b"text/event-stream")
+        rewrite = self._rewrite(ctx, backend, resp.headers)
+        if rewrite is not None and not stream:
+            await self._relay_whole(resp, ticket, ctx, send, deadline, loop, rewrite)
+            return
         await send({
             "type": "http.response.start",
             "status": resp.status,
@@ -302,32 +318,40 @@ class Proxy:
         parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(ctx) \
             else None
         room = self._cache_max
-        # The group serves the model under another name: give the client its own back.
-        served = self._names.served(ctx.model, backend.spec.group)
-        old, new = ModelNames.rewrite(served, ctx.model) if served != ctx.model else (b"", b"")
         cause = None
         reuse = False
         chunks = 0
+        tail = b""  # the end of a line split across chunks, for the in-band check
         try:
             chunk = await resp.read()
             ctx.first_byte = ticket.first_byte = loop.time()
             while chunk:
-                if old:
-                    chunk = chunk.replace(old, new)
+                if rewrite is not None:
+                    chunk = rewrite.feed(chunk)
+                    if not chunk:  # half a line: it goes out with the rest of it
+                        chunk = await resp.read()
+                        continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 deadline.touch()
                 chunks += 1
-                if stream and INBAND_ERROR in chunk:
-                    cause = "inband"
+                if stream and cause is None:
+                    if INBAND_ERROR in chunk or (tail and INBAND_ERROR in tail + chunk[:INBAND]):
+                        cause = "inband"
+                    tail = b"" if chunk.endswith(b"\n") else (tail + chunk)[-INBAND:]
                 if parts is not None:
                     parts.append(chunk)
                     room -= len(chunk)
                     if room < 0:
                         parts = None
                 chunk = await resp.read()
+            if rewrite is not None and (rest := rewrite.flush()):
+                await send({"type": "http.response.body", "body": rest, "more_body": True})
+                if parts is not None:
+                    parts.append(rest)
             reuse = True
         except UpstreamBroken as exc:
-            cause, detail = "dropped", f"failed: {exc}"
+            cause, detail = "dropped", "failed"
+            log.warning("request %s: backend %s: %s", ctx.request_id, backend.name, exc)
         except asyncio.CancelledError:
             if not deadline.absorb():
                 raise
@@ -353,3 +377,51 @@ class Proxy:
                                     "upstream_error", 502)
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _relay_whole(
+        self, resp: UpstreamResponse, ticket: Ticket, ctx: RequestContext, send: Send,
+        deadline: Deadline, loop: asyncio.AbstractEventLoop, rewrite: ModelRewrite,
+    ) -> None:
+        """A non-streaming reply whose body changes: read it whole, rewrite it, and send it
+        with its new ``Content-Length``. Nothing went out yet when the backend breaks, so
+        the client gets a clean 502 or 504 instead of a cut body."""
+        backend = ticket.backend
+        parts: list[bytes] = []
+        reuse = False
+        try:
+            chunk = await resp.read()
+            ctx.first_byte = ticket.first_byte = loop.time()
+            while chunk:
+                parts.append(chunk)
+                deadline.touch()
+                chunk = await resp.read()
+            reuse = True
+        except UpstreamBroken as exc:
+            log.warning("request %s: backend %s failed mid-reply: %s", ctx.request_id,
+                        backend.name, exc)
+            self._fail_reply(ticket, ctx, "dropped")
+            raise UpstreamUnavailable(f"backend {backend.name} failed mid-reply") from None
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
+            self._fail_reply(ticket, ctx, "stalled")
+            raise UpstreamTimeout(f"backend {backend.name} stalled mid-reply") from None
+        finally:
+            await resp.aclose(reuse)
+        body = rewrite.whole(parts[0] if len(parts) == 1 else b"".join(parts))
+        await send({
+            "type": "http.response.start",
+            "status": resp.status,
+            "headers": client_response_headers(resp.headers, backend, ctx.request_id, False,
+                                               len(body)),
+        })
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        ctx.chunks, ctx.last_byte = 1, loop.time()
+        ticket.done(Outcome.SUCCESS if resp.status < 400 else Outcome.NEUTRAL)
+        if resp.status == 200 and len(body) <= self._cache_max and self._replies.wants(ctx):
+            self._replies.keep(ctx, [body], False)
+
+    def _fail_reply(self, ticket: Ticket, ctx: RequestContext, cause: str) -> None:
+        ctx.note = f"stream {cause}"
+        ticket.done(Outcome.FAILURE, cause)
+        self._metrics.stream_failures.labels(cause).inc()

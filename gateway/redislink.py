@@ -1,4 +1,12 @@
-"""One Redis connection for the whole process: every call async, bounded, never fatal.
+"""One Redis link for the whole process: every call async, bounded, never fatal.
+
+On the request path, commands are pipelined automatically: every ``execute`` made during
+one turn of the event loop goes out in one pipeline, in one round trip, over one of a few
+connections (at most ``batches`` pipelines in flight; what arrives meanwhile waits for the
+next). A burst of 2,048 requests therefore costs a handful of round trips and connections,
+not 2,048 of each (redis-py's pool holds 100 connections and fails past them with
+``MaxConnectionsError``). Background loops (breaker and canary sync, reply-cache writes)
+use ``call`` with a client call of their own.
 
 When Redis fails, the link reports itself unavailable (one log line per outage), answers
 at once without trying for ``retry_interval`` seconds, then tries again. Pins, breaker
@@ -7,9 +15,10 @@ sharing and the reply cache all go through it, so an outage is seen (and logged)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -19,22 +28,91 @@ from gateway.metrics import Metrics
 
 log = logging.getLogger("gateway.redis")
 
+Command = tuple[Any, ...]
+_Queued = tuple[Sequence[Command], "asyncio.Future[list[Any]]"]
+FAILURES = (RedisError, OSError, TimeoutError)
+
 
 class RedisLink:
     def __init__(self, client: aioredis.Redis, prefix: str, retry_interval: float,
-                 metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: Metrics, clock: Callable[[], float] = time.monotonic,
+                 timeout: float = 0.1, batches: int = 4) -> None:
         self.client = client
         self.prefix = prefix
         self._retry_interval = retry_interval
         self._metrics = metrics
         self._clock = clock
+        self._timeout = timeout
+        self._batches = batches
         self._down_until = 0.0
         self.up = True
+        self._queue: list[_Queued] = []
+        self._flush_due = False
+        self._in_flight: set[asyncio.Task[None]] = set()
         metrics.redis_up.set(1)
 
     @property
     def available(self) -> bool:
         return self.up or self._clock() >= self._down_until
+
+    async def execute(self, *commands: Command) -> tuple[bool, list[Any]]:
+        """Run ``commands`` (argument tuples such as ``("GET", key)``, optionally ending in
+        a dict of redis-py parser options such as ``{"get": True}``) in the next shared
+        pipeline: (True, their results), or (False, []) when Redis can't answer. A result
+        may be an exception instance when only that command failed."""
+        if not self.available:
+            return False, []
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        self._queue.append((commands, future))
+        if not self._flush_due:
+            self._flush_due = True
+            loop.call_soon(self._flush)  # once every caller of this turn has queued
+        try:
+            return True, await future
+        except FAILURES:
+            return False, []
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        if not self._queue or len(self._in_flight) >= self._batches:
+            return  # a batch that finishes flushes the rest
+        batch, self._queue = self._queue, []
+        task = asyncio.get_running_loop().create_task(self._send(batch), name="redis-batch")
+        self._in_flight.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._in_flight.discard(task)
+        if self._queue and not self._flush_due:
+            self._flush()
+
+    async def _send(self, batch: list[_Queued]) -> None:
+        started = self._clock()
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for commands, _ in batch:
+                for args in commands:
+                    if isinstance(args[-1], dict):  # options for redis-py's reply parser
+                        pipe.execute_command(*args[:-1], **args[-1])
+                    else:
+                        pipe.execute_command(*args)
+            async with asyncio.timeout(self._timeout):
+                results = await pipe.execute(raise_on_error=False)
+        except (*FAILURES, asyncio.CancelledError) as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self._failed(exc)
+            error = exc if isinstance(exc, Exception) else ConnectionError("cancelled")
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        self._answered(started)
+        at = 0
+        for commands, future in batch:
+            if not future.done():  # its caller may have been cancelled meanwhile
+                future.set_result(results[at:at + len(commands)])
+            at += len(commands)
 
     async def call(self, op: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
         """Run ``op`` against Redis: (True, result), or (False, None) when Redis can't answer."""
@@ -43,25 +121,35 @@ class RedisLink:
         started = self._clock()
         try:
             result = await op()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._metrics.redis_errors.inc()
-            self._down_until = self._clock() + self._retry_interval
-            if self.up:
-                self.up = False
-                self._metrics.redis_up.set(0)
-                log.warning("redis unavailable (%s): pins fall back to consistent hashing, "
-                            "breakers to local state, until it answers again",
-                            type(exc).__name__)
+        except FAILURES as exc:
+            self._failed(exc)
             return False, None
+        self._answered(started)
+        return True, result
+
+    def _failed(self, exc: BaseException) -> None:
+        self._metrics.redis_errors.inc()
+        self._down_until = self._clock() + self._retry_interval
+        if self.up:
+            self.up = False
+            self._metrics.redis_up.set(0)
+            log.warning("redis unavailable (%s): pins fall back to consistent hashing, "
+                        "breakers to local state, until it answers again",
+                        type(exc).__name__)
+
+    def _answered(self, started: float) -> None:
         self._metrics.redis_latency.observe(self._clock() - started)
         if not self.up:
             self.up = True
             self._metrics.redis_up.set(1)
             log.warning("redis answers again: shared state restored")
-        return True, result
 
     async def aclose(self) -> None:
+        for task in list(self._in_flight):
+            task.cancel()
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
         await self.client.aclose()
 
     def __repr__(self) -> str:
-        return f"<RedisLink [{'up' if self.up else 'down'}]>"
+        return (f"<RedisLink [{'up' if self.up else 'down'} | {len(self._queue)} queued, "
+                f"{len(self._in_flight)} batches in flight]>")

@@ -5,19 +5,22 @@ except those that cannot change the answer (``stream``, ``user``...), with sorte
 the same question asked streaming or not, by anyone, finds the same answer. Only requests
 the config allows are kept (at or below ``cache_max_temperature``, one choice), each for
 ``cache_ttl`` and at most ``cache_max_bytes``. The request path only hands over the chunks
-it relayed anyway; folding, hashing and writing happen afterwards in a task of their own.
+it relayed anyway, into a bounded queue; folding, hashing and writing happen afterwards in
+one writer task.
 A small in-process copy answers while Redis is away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import orjson
+from prometheus_client import Counter
 
 from gateway.config import DegradedSection
 from gateway.redislink import RedisLink
@@ -40,11 +43,18 @@ def cache_key(ctx: RequestContext) -> str:
 
 
 class ReplyCache:
-    def __init__(self, settings: DegradedSection, link: RedisLink | None = None) -> None:
+    def __init__(self, settings: DegradedSection, link: RedisLink | None = None,
+                 dropped: Counter | None = None, queue_size: int = 1024) -> None:
         self._settings = settings
         self.link = link  # set once Redis is up
         self._local: OrderedDict[str, bytes] = OrderedDict()
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Writes wait here for the one writer, so a burst of finished replies can never
+        # take the connections or the round trips that pin lookups need; past the bound
+        # a reply is simply not kept (counted).
+        self._queue: asyncio.Queue[tuple[RequestContext, Sequence[bytes], bool]] = (
+            asyncio.Queue(queue_size))
+        self._dropped = dropped
+        self._writer: asyncio.Task[None] | None = None
 
     def wants(self, ctx: RequestContext) -> bool:
         """Cheap, on the request path: may this request's reply be kept?"""
@@ -62,10 +72,25 @@ class ReplyCache:
             "n", 1) in (1, None)
 
     def keep(self, ctx: RequestContext, parts: Sequence[bytes], stream: bool) -> None:
-        """Hand over a finished successful reply; the work happens in a background task."""
-        task = asyncio.create_task(self._keep(ctx, parts, stream), name="reply-cache")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Hand over a finished successful reply; the work happens in the writer task."""
+        try:
+            self._queue.put_nowait((ctx, parts, stream))
+        except asyncio.QueueFull:
+            if self._dropped is not None:
+                self._dropped.inc()
+            return
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write(), name="reply-cache")
+
+    async def _write(self) -> None:
+        while True:
+            ctx, parts, stream = await self._queue.get()
+            try:
+                await self._keep(ctx, parts, stream)
+            except Exception:  # one bad reply must not stop the writer
+                log.exception("request %s: reply not kept", ctx.request_id)
+            finally:
+                self._queue.task_done()
 
     async def _keep(self, ctx: RequestContext, parts: Sequence[bytes], stream: bool) -> None:
         data = b"".join(parts)
@@ -92,17 +117,22 @@ class ReplyCache:
             return None
         key = cache_key(ctx)
         if self.link is not None:
-            link = self.link
-            answered, value = await link.call(lambda: link.client.get(
-                link.prefix + "reply:" + key))
-            if answered and value:
+            answered, results = await self.link.execute(("GET", self.link.prefix + "reply:" + key))
+            value = results[0] if answered else None
+            if value and not isinstance(value, Exception):
                 return value.encode() if isinstance(value, str) else bytes(value)
         return self._local.get(key)
 
     async def aclose(self) -> None:
-        """Let replies being written finish (briefly) before the Redis link goes."""
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=1.0)
+        """Let queued replies be written (briefly) before the Redis link goes."""
+        if self._writer is None:
+            return
+        if not self._queue.empty():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._queue.join(), 1.0)
+        self._writer.cancel()
+        await asyncio.gather(self._writer, return_exceptions=True)
+        self._writer = None
 
     def __repr__(self) -> str:
-        return f"<ReplyCache [{len(self._local)} local | {len(self._tasks)} writing]>"
+        return f"<ReplyCache [{len(self._local)} local | {self._queue.qsize()} queued]>"

@@ -101,15 +101,16 @@ class Router:
             assert choice is not None
             return choice
         key = f"{ctx.model}:{ctx.session_key}"
-        answered, pinned = await self.store.get(key)
+        # Where the session goes if it is new, decided before asking: the claim and the
+        # lookup are then one round trip. A pinned session takes its choice back.
+        choice = self._pin_policy.choose(candidates, ctx)
+        assert choice is not None
+        answered, pinned = await self.store.claim(key, choice.name)
         if answered and pinned is None:
-            choice = self._pin_policy.choose(candidates, ctx)
-            assert choice is not None
-            answered, pinned = await self.store.claim(key, choice.name)
-            if answered and pinned is None:
-                self._sticky.labels("miss").inc()
-                self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1
-                return choice
+            self._sticky.labels("miss").inc()
+            self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1
+            return choice
+        self._pin_policy.rewind()
         if not answered:
             self._sticky.labels("fallback").inc()
             fallback = rendezvous(key.encode(), candidates)

@@ -11,8 +11,8 @@ from gateway.breaker import Outcome
 from gateway.canary import Canary
 from gateway.headers import upstream_request_headers
 from gateway.metrics import Metrics
-from gateway.names import ModelNames
 from gateway.observe import Tally
+from gateway.pool import BackendPool
 from gateway.router import Router
 from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
@@ -22,11 +22,11 @@ log = logging.getLogger("gateway.shadow")
 class Shadow:
     """Mirrors a request to the canary group; the answer is read and thrown away."""
 
-    def __init__(self, upstream: Upstream, router: Router, names: ModelNames, canary: Canary,
+    def __init__(self, upstream: Upstream, router: Router, pool: BackendPool, canary: Canary,
                  metrics: Metrics, timeout: float) -> None:
         self._upstream = upstream
         self._router = router
-        self._names = names
+        self._pool = pool  # asked for the model map each time: a reload replaces it
         self._canary = canary
         self._counter = metrics.shadow_requests
         self._tally = Tally(metrics, canary)
@@ -55,7 +55,7 @@ class Shadow:
                 resp = await self._upstream.request(
                     "POST", backend.url + ctx.path,
                     upstream_request_headers(ctx.headers, backend, ctx.request_id),
-                    self._names.body_for(ctx, backend.spec.group))
+                    self._pool.names.body_for(ctx, backend.spec.group))
                 ticket.status = resp.status
                 try:
                     chunk = await resp.read()

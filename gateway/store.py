@@ -14,7 +14,6 @@ from gateway.redislink import RedisLink
 class PinStore:
     def __init__(self, link: RedisLink, ttl: float) -> None:
         self._link = link
-        self._client = link.client
         self._prefix = link.prefix + "pin:"
         self._ttl_ms = int(ttl * 1000)
 
@@ -23,24 +22,31 @@ class PinStore:
         return self._link.up
 
     async def claim(self, session: str, backend: str) -> tuple[bool, str | None]:
-        """Pin ``session`` to ``backend`` unless pinned already.
+        """Pin ``session`` to ``backend`` unless pinned already, and refresh the pin's TTL.
 
-        Returns (answered, existing pin); (True, None) means our claim won. One round trip:
-        ``SET key value NX GET PX ttl``.
+        Returns (answered, existing pin); (True, None) means our claim won. One round trip,
+        shared with every other request of this loop turn: ``SET key value NX GET PX ttl``
+        and ``PEXPIRE key ttl``.
         """
-        answered, value = await self._link.call(lambda: self._client.set(
-            self._prefix + session, backend, nx=True, get=True, px=self._ttl_ms))
-        return answered, _text(value)
+        key = self._prefix + session
+        answered, results = await self._link.execute(
+            ("SET", key, backend, "NX", "GET", "PX", self._ttl_ms, {"get": True}),
+            ("PEXPIRE", key, self._ttl_ms))
+        if not answered or isinstance(results[0], Exception):
+            return False, None
+        return True, _text(results[0])
 
     async def get(self, session: str) -> tuple[bool, str | None]:
         """The session's pin, its TTL refreshed in the same round trip (GETEX)."""
-        answered, value = await self._link.call(lambda: self._client.getex(
-            self._prefix + session, px=self._ttl_ms))
-        return answered, _text(value)
+        answered, results = await self._link.execute(
+            ("GETEX", self._prefix + session, "PX", self._ttl_ms))
+        if not answered or isinstance(results[0], Exception):
+            return False, None
+        return True, _text(results[0])
 
     async def repin(self, session: str, backend: str) -> bool:
-        answered, _ = await self._link.call(lambda: self._client.set(
-            self._prefix + session, backend, px=self._ttl_ms))
+        answered, _ = await self._link.execute(
+            ("SET", self._prefix + session, backend, "PX", self._ttl_ms))
         return answered
 
 

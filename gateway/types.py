@@ -38,3 +38,7 @@ class Policy(Protocol):
     """Chooses one backend among already-filtered candidates. No I/O."""
 
     def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None: ...
+
+    def rewind(self) -> None:
+        """Take back the last ``choose``: its choice was not used (the session turned out
+        to be pinned already), so the policy's rotation must not count it."""

@@ -20,3 +20,6 @@ class LeastLoaded:
         tied = [b for b in candidates if b.queue == low]
         self._turn += 1
         return tied[self._turn % len(tied)]
+
+    def rewind(self) -> None:
+        self._turn -= 1

@@ -45,3 +45,6 @@ class PrefixAware:
         cap = math.ceil(total * self._factor / len(candidates))
         order = ranked(prompt_head(ctx.payload, self._chars), candidates)
         return next((b for b in order if b.in_flight < cap), order[0])
+
+    def rewind(self) -> None:
+        """Nothing to take back: the choice depends only on the prompt and the loads."""

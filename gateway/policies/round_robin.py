@@ -17,3 +17,6 @@ class RoundRobin:
             return None
         self._turn += 1
         return candidates[self._turn % len(candidates)]
+
+    def rewind(self) -> None:
+        self._turn -= 1

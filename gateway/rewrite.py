@@ -1,0 +1,53 @@
+"""Giving the client its own model name back in a reply that names the served one.
+
+A group may serve a client's model under another name (``[[models]]``). Replies name the
+served model in their ``"model"`` field; the client must see its own name there. The match
+allows any JSON spacing (``"model":"x"``, ``"model" : "x"``, a newline between) because
+not every OpenAI-compatible server writes compact JSON as vLLM does.
+
+A whole body (a non-streaming reply) is rewritten at once, and its ``Content-Length`` is
+the new length. A stream is rewritten line by line: an SSE ``data:`` line holds one JSON
+object and never a raw newline, so a name can't span two lines, and the incomplete last
+line of a chunk is held back until the rest of it arrives. The client therefore gets the
+same bytes however the backend's chunks happen to be cut.
+"""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+
+
+class ModelRewrite:
+    __slots__ = ("_carry", "_new", "_pattern")
+
+    def __init__(self, served: str, model: str) -> None:
+        self._pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(orjson.dumps(served)))
+        self._new = orjson.dumps(model)
+        self._carry = b""
+
+    def _sub(self, data: bytes) -> bytes:
+        return self._pattern.sub(self._replace, data)
+
+    def _replace(self, match: re.Match[bytes]) -> bytes:
+        return match.group(1) + self._new
+
+    def whole(self, body: bytes) -> bytes:
+        """A complete body, rewritten."""
+        return self._sub(body)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete lines so far, rewritten; the incomplete last line waits (may be b"")."""
+        data = self._carry + chunk if self._carry else chunk
+        cut = data.rfind(b"\n") + 1
+        if cut == len(data):
+            self._carry = b""
+            return self._sub(data)
+        self._carry = data[cut:]
+        return self._sub(data[:cut]) if cut else b""
+
+    def flush(self) -> bytes:
+        """What is still held back when the stream ends."""
+        rest, self._carry = self._carry, b""
+        return self._sub(rest) if rest else b""

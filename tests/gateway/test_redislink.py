@@ -1,0 +1,112 @@
+"""The Redis link's automatic pipelining, against a real valkey-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import RedisServer
+
+from gateway.metrics import Metrics
+from gateway.redislink import RedisLink
+from gateway.store import PinStore
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path)
+    yield s
+    s.stop()
+
+
+def client_for(server: RedisServer) -> aioredis.Redis:
+    # As the app builds it: redis-py's own pool (100 connections), no retries.
+    return aioredis.from_url(server.url, decode_responses=True, socket_timeout=0.5)
+
+
+def batches(metrics: Metrics) -> float:
+    return sum(s.value for s in metrics.redis_latency.collect()[0].samples
+               if s.name.endswith("_count"))
+
+
+def test_a_burst_of_2048_pin_claims_shares_a_few_round_trips(server: RedisServer) -> None:
+    """Each claim in its own task, all at once, as a burst of requests makes them: without
+    pipelining each takes a pooled connection and the 101st fails (MaxConnectionsError)."""
+    metrics = Metrics()
+
+    async def main() -> tuple[list[tuple[bool, str | None]], int]:
+        link = RedisLink(client_for(server), "t:", 1.0, metrics, timeout=2.0)
+        store = PinStore(link, 60)
+        results = await asyncio.gather(*(store.claim(f"s{i}", "b0") for i in range(2048)))
+        clients = int((await link.client.info("clients"))["connected_clients"])
+        await link.aclose()
+        return results, clients
+
+    results, clients = asyncio.run(main())
+    assert results == [(True, None)] * 2048
+    assert metrics.redis_errors._value.get() == 0
+    assert batches(metrics) <= 8  # one pipeline per loop turn, at most 4 in flight
+    assert clients <= 5  # the batches' connections and the INFO call's own
+    assert server.client().dbsize() == 2048
+
+
+def test_each_caller_gets_its_own_results(server: RedisServer) -> None:
+    async def main() -> list[tuple[bool, str | None]]:
+        link = RedisLink(client_for(server), "t:", 1.0, Metrics())
+        store = PinStore(link, 60)
+        await asyncio.gather(*(store.claim(f"s{i}", f"b{i}") for i in range(50)))
+        again = await asyncio.gather(*(store.claim(f"s{i}", "other") for i in range(50)))
+        await link.aclose()
+        return again
+
+    assert asyncio.run(main()) == [(True, f"b{i}") for i in range(50)]
+
+
+def test_a_claim_refreshes_the_ttl_of_an_existing_pin(server: RedisServer) -> None:
+    async def main() -> None:
+        link = RedisLink(client_for(server), "t:", 1.0, Metrics())
+        await link.client.set("t:pin:s", "b1", px=1000)
+        assert await PinStore(link, 600).claim("s", "b2") == (True, "b1")
+        assert await link.client.pttl("t:pin:s") > 500_000
+        await link.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_hung_redis_costs_each_caller_at_most_the_timeout(server: RedisServer) -> None:
+    """SIGSTOP: the connection stays open and nothing answers (not a refused connection)."""
+    metrics = Metrics()
+
+    async def main() -> tuple[list[tuple[bool, str | None]], float, tuple[bool, str | None]]:
+        link = RedisLink(client_for(server), "t:", 0.2, metrics, timeout=0.2)
+        store = PinStore(link, 60)
+        assert await store.claim("warm", "b0") == (True, None)
+        assert server.popen is not None
+        os.kill(server.popen.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            hung = await asyncio.gather(*(store.claim(f"s{i}", "b0") for i in range(100)))
+            took = time.monotonic() - began
+        finally:
+            os.kill(server.popen.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:  # retry_interval passes, then the link tries again and recovers
+            after = await store.claim("later", "b1")
+            if after[0] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        await link.aclose()
+        return hung, took, after
+
+    hung, took, after = asyncio.run(main())
+    assert hung == [(False, None)] * 100
+    assert took < 2.0  # 0.2 s timeout; generous for a loaded machine, far below "forever"
+    assert metrics.redis_errors._value.get() >= 1
+    assert after == (True, None)
+    assert metrics.redis_up._value.get() == 1
