@@ -144,12 +144,13 @@ class GatewayApp:
                 tasks.append(asyncio.create_task(BreakerSync(
                     link, self.breakers, breaker.reset_timeout, breaker.sync_interval).run(),
                     name="breaker-sync"))
+            # Always, not only when the canary is on at start: a reload may turn it on.
+            self.router.arms = ArmStore(link, self.config.routing.session_ttl)
+            self.canary_sync = CanarySync(link, self.canary)
+            self.canary_admin.publish = self.canary_sync.publish
             if self.canary.enabled:
-                self.router.arms = ArmStore(link, self.config.routing.session_ttl)
-                self.canary_sync = CanarySync(link, self.canary)
-                self.canary_admin.publish = self.canary_sync.publish
                 await self.canary_sync.sync_once()  # the shared state before any request
-                tasks.append(asyncio.create_task(self.canary_sync.run(), name="canary-sync"))
+            tasks.append(asyncio.create_task(self.canary_sync.run(), name="canary-sync"))
             try:
                 yield
             finally:

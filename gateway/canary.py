@@ -121,6 +121,10 @@ class Canary:
         self._record(self.state)
         self._adopted()
 
+    def reconfigure(self, settings: CanarySection) -> None:
+        """New ``[canary]`` settings (a reload); every reader asks ``settings`` each time."""
+        self.settings = settings
+
     @property
     def enabled(self) -> bool:
         return self.settings.enabled

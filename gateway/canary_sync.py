@@ -32,11 +32,15 @@ class CanarySync:
         self._canary = canary
         self._prefix = link.prefix + "canary:"
         self._me = f"{os.getpid()}-{os.urandom(4).hex()}"
-        self._interval = canary.settings.sync_interval
+
+    @property
+    def _interval(self) -> float:
+        return self._canary.settings.sync_interval  # a reload may change it
 
     async def run(self) -> None:
-        while True:
-            await self.sync_once()
+        while True:  # started whenever Redis is: a reload may turn the canary on
+            if self._canary.enabled:
+                await self.sync_once()
             await asyncio.sleep(self._interval)
 
     async def sync_once(self) -> None:

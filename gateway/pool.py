@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from backends.backend import Backend
+from gateway.config import ModelRoute
 from gateway.names import ModelNames
 
 
@@ -19,6 +20,11 @@ class BackendPool:
         self.backends = list(backends)
         self.allows = allows  # the circuit breakers' say, wired in by the app
         self.names = names or ModelNames()
+
+    def remap(self, routes: Sequence[ModelRoute]) -> None:
+        """A new ``[[models]]`` map (a reload). Everyone asks the pool for it per request,
+        so the request body, the reply rewrite, shadows and ``/v1/models`` all follow."""
+        self.names = ModelNames(routes)
 
     def _serves(self, b: Backend, model: str, group: str | None) -> bool:
         if group is not None and b.spec.group != group:

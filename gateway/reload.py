@@ -22,7 +22,6 @@ from backends.supervisor import Supervisor
 from gateway.breaker import Breakers
 from gateway.canary import Canary
 from gateway.config import Config
-from gateway.names import ModelNames
 from gateway.pool import BackendPool
 
 log = logging.getLogger("gateway.reload")
@@ -61,7 +60,7 @@ async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[s
         added.append(backend)
     removed += [b for name, b in before.items() if name not in wanted]
     parts.pool.backends[:] = backends  # the same list the health checker walks
-    parts.pool.names = ModelNames(new.models)
+    parts.pool.remap(new.models)
     retiring = {b.name: _retire(parts, b) for b in removed}
     for backend in added:
         parts.breakers.add(backend.name)
@@ -109,6 +108,6 @@ def background(parts: Reloadable, coro: Coroutine[Any, Any, object]) -> asyncio.
 
 
 def _canary(canary: Canary, old: Config, new: Config, who: str) -> None:
-    canary.settings = new.canary
+    canary.reconfigure(new.canary)
     if new.canary.weight != old.canary.weight:
         canary.change(who, "config reload", weight=new.canary.weight, phase="manual", step=-1)
