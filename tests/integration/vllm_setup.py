@@ -1,0 +1,34 @@
+"""What the real-vLLM tests share: where vLLM and the model are, how a spawned instance is
+configured, and how to read the gateway's view of its backends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+from helpers import Gateway, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+MODEL = REPO / "models" / "tiny-llama"
+STARTUP = 600
+
+
+def vllm_backend(name: str, core: int) -> str:
+    return f"""
+[[backends]]
+name = "{name}"
+[backends.spawn]
+model = "{MODEL}"
+served_model_name = "tiny-llama"
+port = {free_port()}
+python = "{PYTHON}"
+args = ["--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager"]
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
+startup_timeout = {STARTUP}
+"""
+
+
+def status(gw: Gateway) -> dict[str, dict[str, Any]]:
+    return {b["name"]: b for b in httpx.get(gw.url + "/admin/status").json()["backends"]}
