@@ -1,24 +1,27 @@
-"""The simulator's ASGI app: vLLM's routes, timing and injected faults."""
+"""The simulator's ASGI app: vLLM's routes and bytes, with configurable timing and faults."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
 from backends.asgi import Receive, Scope, Send, cancel_on_disconnect, read_body
-from backends.sim.bodies import Completion, embeddings_body, error_body, prompt_bytes
+from backends.sim import replies, validate
+from backends.sim.bodies import Completion, prompt_bytes
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import PrefixCache
+from backends.sim.replies import error_body
+from backends.sim.writer import JSON, SSE, SimulatedCrash, respond, write
 
-JSON = [(b"content-type", b"application/json")]
-SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+__all__ = ["SimApp", "SimStats", "SimulatedCrash"]
 
-
-class SimulatedCrash(Exception):
-    """Raised mid-response so the server drops the connection."""
+DEFAULT_MAX_MODEL_LEN = 8192  # what /v1/models reports when --max-prompt-len is off
+METRICS = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class _StreamEnded(Exception):
@@ -51,39 +54,46 @@ class SimApp:
         self.stats = SimStats()
         self.prefix = PrefixCache()
         self._random = random.Random(options.seed)
+        self._routes: dict[str, tuple[str, Handler]] = {
+            validate.CHAT: ("POST", self._completion),
+            validate.COMPLETIONS: ("POST", self._completion),
+            validate.EMBEDDINGS: ("POST", self._embeddings),
+            validate.TOKENIZE: ("POST", self._tokenize),
+            validate.DETOKENIZE: ("POST", self._detokenize),
+            "/health": ("GET", self._health),
+            "/version": ("GET", self._version),
+            "/v1/models": ("GET", self._models),
+            "/metrics": ("GET", self._metrics),
+            "/sim/stats": ("GET", self._stats),
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
-        path = scope["path"]
-        method = scope["method"]
-        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
-            await self._completion(scope, receive, send)
-        elif method == "POST" and path == "/v1/embeddings":
-            await self._embeddings(scope, receive, send)
-        elif method == "GET" and path == "/health":
-            await _respond(send, 200, b"", [])
-        elif method == "GET" and path == "/v1/models":
-            await _respond(send, 200, self._models(), JSON)
-        elif method == "GET" and path == "/metrics":
-            await _respond(send, 200, self._metrics(), [(b"content-type", b"text/plain")])
-        elif method == "GET" and path == "/sim/stats":
-            await _respond(send, 200, orjson.dumps(self.stats.as_dict()), JSON)
+        route = self._routes.get(scope["path"])
+        if route is None:
+            await respond(send, 404, replies.detail_body("Not Found"))
+        elif scope["method"] != route[0]:
+            await respond(send, 405, replies.detail_body("Method Not Allowed"),
+                          [(b"allow", route[0].encode()), *JSON])
         else:
-            await _respond(send, 404, error_body(404, f"no route {path}", "NotFoundError"), JSON)
+            await route[1](scope, receive, send)
 
-    def _models(self) -> bytes:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "vllm", "root": m,
-             "max_model_len": 8192}
-            for m in self.options.models
-        ]
-        return orjson.dumps({"object": "list", "data": data})
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await respond(send, 200, b"", [])
 
-    def _metrics(self) -> bytes:
-        model = self.options.models[0]
-        label = f'{{model_name="{model}"}}'
+    async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await respond(send, 200, replies.version_body())
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await respond(send, 200, replies.models_body(self.options.models, self._max_model_len()))
+
+    async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await respond(send, 200, orjson.dumps(self.stats.as_dict()))
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        label = f'{{model_name="{self.options.models[0]}"}}'
         lines = [
             ("vllm:num_requests_running", "gauge", self.stats.running),
             ("vllm:num_requests_waiting", "gauge", 0),
@@ -91,46 +101,59 @@ class SimApp:
             ("vllm:prefix_cache_queries_total", "counter", self.prefix.queries),
             ("vllm:prefix_cache_hits_total", "counter", self.prefix.hits),
         ]
-        out = []
-        for name, kind, value in lines:
-            out.append(f"# TYPE {name} {kind}\n{name}{label} {value}\n")
-        return "".join(out).encode()
+        text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n"
+                       for name, kind, value in lines)
+        await respond(send, 200, text.encode(), METRICS)
+
+    def _max_model_len(self, opts: SimOptions | None = None) -> int:
+        return (opts or self.options).max_prompt_len or DEFAULT_MAX_MODEL_LEN
+
+    async def _read(self, scope: Scope, receive: Receive, send: Send) -> dict[str, Any] | None:
+        """The body vLLM would accept, or None once the rejection has been answered."""
+        raw = await read_body(receive)
+        if raw is None:
+            return None
+        content_type = ""
+        for key, value in scope["headers"]:
+            if key == b"content-type":
+                content_type = value.decode("latin-1")
+        parsed = validate.parse(scope["path"], content_type, raw)
+        if isinstance(parsed, dict):
+            rejected = validate.check_model(scope["path"], parsed, self.options.models)
+            if rejected is None:
+                parsed.setdefault("model", None)
+                parsed["model"] = parsed["model"] or self.options.models[0]
+                return parsed
+            parsed = rejected
+        await respond(send, parsed.status, parsed.body)
+        return None
 
     async def _prepare(
         self, scope: Scope, receive: Receive, send: Send
     ) -> tuple[dict[str, Any], SimOptions] | None:
-        """Read and check a request; answer errors itself and return None."""
+        """Read and check a request, roll its faults; answer errors itself and return None."""
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         self.stats.last_headers = headers
         self.stats.requests += 1
-        raw = await read_body(receive)
-        if raw is None:
+        body = await self._read(scope, receive, send)
+        if body is None:
             return None
+        opts = self.options.for_model(body["model"])
         try:
-            body = orjson.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-            model = body.get("model")
-            if model not in self.options.models:
-                msg = f"The model `{model}` does not exist."
-                await _respond(send, 404, error_body(404, msg, "NotFoundError"), JSON)
-                return None
-            opts = self.options.for_model(model)
             for key, value in headers:
                 if key == "x-sim":
                     opts = opts.override(value)
         except ValueError as exc:
-            await _respond(send, 400, error_body(400, str(exc), "BadRequestError"), JSON)
+            await respond(send, 400, error_body(400, str(exc), "BadRequestError"))
             return None
         roll = self._random.random()
         if opts.fault is Fault.ERROR or roll < opts.error_rate:
-            await _respond(send, 500, error_body(500, "simulated failure", "InternalServerError"),
-                           JSON)
+            await respond(send, 500, error_body(500, "simulated failure", "InternalServerError"))
             return None
         if opts.fault is Fault.BUSY or roll < opts.error_rate + opts.busy_rate:
-            headers_out = [*JSON, (b"retry-after", str(opts.retry_after).encode())]
-            await _respond(send, 503, error_body(503, "server busy", "ServiceUnavailableError"),
-                           headers_out)
+            busy = [*JSON, (b"retry-after", str(opts.retry_after).encode())]
+            await respond(send, 503, error_body(503, "server busy", "ServiceUnavailableError"),
+                          busy)
             return None
         return body, opts
 
@@ -141,29 +164,22 @@ class SimApp:
         body, opts = prepared
         prompt = prompt_bytes(scope["path"], body)
         if opts.max_prompt_len and len(prompt) > opts.max_prompt_len:
-            msg = (f"This model's maximum context length is {opts.max_prompt_len} tokens. "
-                   f"However, you requested {len(prompt)} tokens in the messages.")
-            await _respond(send, 400, error_body(400, msg, "BadRequestError"), JSON)
+            await respond(send, 400, _too_long(opts.max_prompt_len, len(prompt)))
             return
         self.prefix.observe(prompt)
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or opts.tokens
-        completion = Completion(
-            chat=scope["path"].endswith("/chat/completions"),
-            model=str(body["model"]),
-            prompt_tokens=len(prompt),
-            n_tokens=int(n_tokens),
-        )
-        stream = bool(body.get("stream"))
+        completion = Completion(chat=scope["path"] == validate.CHAT, model=str(body["model"]),
+                                prompt_tokens=len(prompt), n_tokens=int(n_tokens))
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.stats.running += 1
         self.stats.started += 1
         watcher = cancel_on_disconnect(receive)
         try:
-            if stream:
+            if body.get("stream"):
                 await self._stream(send, completion, opts, usage)
             else:
-                await asyncio.sleep(opts.ttft + opts.itl * max(completion.n_tokens - 1, 0))
-                await _respond(send, 200, completion.whole(), JSON)
+                await asyncio.sleep(opts.ttft + opts.itl * (completion.n_tokens - 1))
+                await self._whole(send, completion.whole(), opts)
             self.stats.completed += 1
         except _StreamEnded:
             self.stats.completed += 1
@@ -177,6 +193,10 @@ class SimApp:
             watcher.cancel()
             self.stats.running -= 1
 
+    async def _whole(self, send: Send, body: bytes, opts: SimOptions) -> None:
+        cut = opts.after if opts.fault is Fault.CUT else None
+        await respond(send, 200, body, split=opts.split, cut=cut)
+
     async def _stream(
         self, send: Send, completion: Completion, opts: SimOptions, usage: bool
     ) -> None:
@@ -189,22 +209,22 @@ class SimApp:
             nonlocal events
             if opts.fault is not Fault.NONE and events == opts.after:
                 await self._strike(send, opts)
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            await write(send, data, opts.split, more=True)
             events += 1
 
         if completion.chat:
             await emit(completion.role_chunk())
+        last = completion.n_tokens - 1
         for i in range(completion.n_tokens):
             if i and opts.itl:
                 await asyncio.sleep(opts.itl)
-            await emit(completion.token_chunk(i))
-        await emit(completion.final_chunk())
+            await emit(completion.last_chunk(usage) if i == last else completion.token_chunk(i))
         if usage:
             await emit(completion.usage_chunk())
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        await write(send, b"data: [DONE]\n\n", opts.split)
 
     async def _strike(self, send: Send, opts: SimOptions) -> None:
-        if opts.fault is Fault.CRASH:
+        if opts.fault in (Fault.CRASH, Fault.CUT):
             raise SimulatedCrash
         if opts.fault is Fault.INBAND:
             event = b"data: " + error_body(500, "simulated in-band failure", "InternalServerError")
@@ -217,17 +237,42 @@ class SimApp:
         prepared = await self._prepare(scope, receive, send)
         if prepared is None:
             return
-        body, _ = prepared
-        inputs = body.get("input", "")
-        items = [inputs] if isinstance(inputs, str) else [str(i) for i in inputs]
-        await _respond(send, 200, embeddings_body(str(body["model"]), items), JSON)
+        body, opts = prepared
+        reply = replies.embeddings_body(str(body["model"]), _inputs(body.get("input", "")),
+                                        body.get("encoding_format", "float"),
+                                        str(body.get("endianness", "native")))
+        await self._whole(send, reply, opts)
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read(scope, receive, send)
+        if body is not None:
+            opts = self.options.for_model(body["model"])
+            reply = replies.tokenize_body(prompt_bytes(scope["path"], body),
+                                          self._max_model_len(opts),
+                                          bool(body.get("return_token_strs")))
+            await respond(send, 200, reply)
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read(scope, receive, send)
+        if body is not None:
+            await respond(send, 200, replies.detokenize_body([int(t) for t in body["tokens"]]))
 
 
-async def _respond(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
-) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+def _inputs(value: object) -> list[str]:
+    """One text per embedding: a string, a list of strings, or token ids (one list a prompt)."""
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return [orjson.dumps(value).decode()]
+        return [v if isinstance(v, str) else orjson.dumps(v).decode() for v in value]
+    return [str(value)]
+
+
+def _too_long(limit: int, tokens: int) -> bytes:
+    message = (f"This model's maximum context length is {limit} tokens. However, your prompt "
+               f"contains at least {limit + 1} input tokens, which exceeds this limit even "
+               f"without any output tokens. Please reduce the length of the input prompt. "
+               f"(parameter=input_tokens, value={tokens})")
+    return error_body(400, message, "BadRequestError", "input_tokens")
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

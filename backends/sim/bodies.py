@@ -1,13 +1,20 @@
-"""Response bodies in vLLM's OpenAI shape, built without per-token JSON encoding."""
+"""Completion bodies in vLLM 0.32's shape, built without per-token JSON encoding.
+
+Key sets and order follow what vLLM's OpenAI server writes (recorded in
+tests/fixtures/vllm_0.32_replies.json): the chat stream's first chunk carries the role,
+the last token's chunk carries ``finish_reason`` and ``stop_reason``, and the
+``system_fingerprint`` rides on the last chunk (the usage chunk when there is one).
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-import zlib
 from typing import Any
 
 import orjson
+
+from backends.sim.replies import fingerprint
 
 
 def token_text(i: int) -> str:
@@ -16,7 +23,7 @@ def token_text(i: int) -> str:
 
 def prompt_bytes(path: str, body: dict[str, Any]) -> bytes:
     """The text the model would see, byte-tokenised (one token per byte)."""
-    if path.endswith("/chat/completions"):
+    if "messages" in body:
         parts = []
         for message in body.get("messages") or []:
             content = message.get("content", "")
@@ -37,93 +44,81 @@ class Completion:
         self.chat = chat
         self.model = model
         self.prompt_tokens = prompt_tokens
-        self.n_tokens = n_tokens
+        self.n_tokens = max(n_tokens, 1)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
+        self.object = "chat.completion.chunk" if chat else "text_completion"
         head = (
-            f'data: {{"id":"{self.id}","object":"{obj}","created":{self.created},'
+            f'data: {{"id":"{self.id}","object":"{self.object}","created":{self.created},'
             f'"model":{orjson.dumps(model).decode()},"choices":[{{"index":0,'
         )
         if chat:
             self._pre = (head + '"delta":{"content":"').encode()
+            self._post = b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
         else:
             self._pre = (head + '"text":"').encode()
-        self._post = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
-        if not chat:
-            self._post = b'","logprobs":null,"finish_reason":null}]}\n\n'
+            self._post = (b'","logprobs":null,"finish_reason":null,"stop_reason":null,'
+                          b'"prompt_token_ids":null,"token_ids":null}]}\n\n')
 
     def role_chunk(self) -> bytes:
-        return self._event(
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-             "finish_reason": None}
-        )
+        """The chat stream's first event (completions have none)."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return self._event([choice], prompt_token_ids=None, prompt_text=None)
 
     def token_chunk(self, i: int) -> bytes:
         return self._pre + token_text(i).encode() + self._post
 
-    def final_chunk(self) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+    def last_chunk(self, usage_follows: bool) -> bytes:
+        """The last token's event: the finish reason, and the fingerprint unless usage follows."""
+        text = token_text(self.n_tokens - 1)
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice["delta"] = {}
+            choice |= {"delta": {"content": text}, "logprobs": None, "finish_reason": "length",
+                       "stop_reason": None, "token_ids": None}
         else:
-            choice["text"] = ""
-        return self._event(choice)
+            choice |= {"text": text, "logprobs": None, "finish_reason": "length",
+                       "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+        if usage_follows:
+            return self._event([choice])
+        return self._event([choice], system_fingerprint=fingerprint(self.model))
 
     def usage_chunk(self) -> bytes:
-        return self._event(None, usage=self.usage())
+        return self._event([], usage=self.usage(), system_fingerprint=fingerprint(self.model))
 
     def usage(self) -> dict[str, int]:
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.n_tokens,
             "total_tokens": self.prompt_tokens + self.n_tokens,
+            "completion_tokens": self.n_tokens,
         }
 
     def whole(self) -> bytes:
         text = "".join(token_text(i) for i in range(self.n_tokens))
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None,
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "reasoning": None}
+            choice |= {"logprobs": None, "finish_reason": "length", "stop_reason": None,
+                       "token_ids": None, "routed_experts": None}
         else:
-            choice["text"] = text
-        return orjson.dumps(
-            {
-                "id": self.id,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-                "usage": self.usage(),
-            }
-        )
-
-    def _event(self, choice: dict[str, Any] | None, usage: dict[str, int] | None = None) -> bytes:
-        payload: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [] if choice is None else [choice],
+            choice |= {"text": text, "logprobs": None, "finish_reason": "length",
+                       "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
+                       "prompt_token_ids": None, "routed_experts": None}
+        usage = {**self.usage(), "prompt_tokens_details": None, "completion_tokens_details": None}
+        body: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": [choice],
+            "service_tier": None, "system_fingerprint": fingerprint(self.model), "usage": usage,
         }
-        if usage is not None:
-            payload["usage"] = usage
+        if self.chat:
+            body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+        body |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        return orjson.dumps(body)
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        payload: dict[str, Any] = {"id": self.id, "object": self.object,
+                                   "created": self.created, "model": self.model,
+                                   "choices": choices, **extra}
         return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-def error_body(status: int, message: str, kind: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None,
-                                   "code": status}})
-
-
-def embeddings_body(model: str, inputs: list[str]) -> bytes:
-    data = []
-    for i, text in enumerate(inputs):
-        h = zlib.crc32(text.encode())
-        vector = [((h >> (k * 4)) & 0xF) / 15.0 for k in range(8)]
-        data.append({"object": "embedding", "index": i, "embedding": vector})
-    tokens = sum(len(t.encode()) for t in inputs)
-    return orjson.dumps(
-        {"object": "list", "data": data, "model": model,
-         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    )

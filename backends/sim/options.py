@@ -14,6 +14,7 @@ class Fault(enum.Enum):
     CRASH = "crash"  # drop the connection after `after` chunks
     INBAND = "inband"  # a `data: {"error": ...}` event after `after` chunks (HTTP 200)
     STALL = "stall"  # stop sending for `stall` seconds after `after` chunks
+    CUT = "cut"  # whole reply: headers, `after` body bytes, then drop (a stream: as crash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class SimOptions:
     fault: Fault = Fault.NONE  # applied to every request
     after: int = 0  # chunks before CRASH / INBAND / STALL strikes
     stall: float = 3600.0
+    split: int = 0  # bytes per write of a reply body or SSE event; 0 = one write each
     seed: int = 0
 
     @classmethod
@@ -58,7 +60,7 @@ class SimOptions:
                 changes["fault"] = Fault(value)
             elif key in ("ttft", "itl", "stall", "error_rate", "busy_rate"):
                 changes[key] = float(value)
-            elif key in ("tokens", "after", "retry_after", "max_prompt_len"):
+            elif key in ("tokens", "after", "retry_after", "max_prompt_len", "split"):
                 changes[key] = int(value)
             else:
                 raise ValueError(f"unknown x-sim key {key!r}")

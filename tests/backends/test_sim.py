@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,4 +94,69 @@ def test_completion_usage_and_text(sim: Sim) -> None:
                       json={"model": "sim-model", "prompt": "abcd", "max_tokens": 3})
     body = resp.json()
     assert body["choices"][0]["text"] == " tok0 tok1 tok2"
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    usage = {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert usage == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def test_whole_replies_carry_their_length_and_compact_json(sim: Sim) -> None:
+    for path, body in ((CHAT, chat("x")), ("/v1/embeddings", {"model": "sim-model", "input": "a"}),
+                       ("/tokenize", {"model": "sim-model", "prompt": "ab"})):
+        with httpx.stream("POST", sim.url + path, json=body) as resp:
+            raw = b"".join(resp.iter_raw())
+        assert resp.headers["content-length"] == str(len(raw)), path
+        assert "transfer-encoding" not in resp.headers
+        assert raw.startswith(b'{"') and b'": ' not in raw and b'", "' not in raw
+
+
+def test_base64_embeddings_are_little_endian_float32(sim: Sim) -> None:
+    def embed(fmt: str) -> list[object]:
+        body = {"model": "sim-model", "input": ["one", "two"], "encoding_format": fmt}
+        reply = httpx.post(sim.url + "/v1/embeddings", json=body).json()
+        return [d["embedding"] for d in reply["data"]]
+
+    for vector, packed in zip(embed("float"), embed("base64"), strict=True):
+        assert isinstance(vector, list) and isinstance(packed, str)
+        raw = base64.b64decode(packed)
+        assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == vector
+    assert embed("float")[0] != embed("float")[1]
+
+
+def test_unknown_model_is_404_and_a_missing_one_the_first_served(sim: Sim) -> None:
+    resp = httpx.post(sim.url + CHAT, json=chat("x", model="not-served"))
+    assert resp.status_code == 404
+    assert resp.json()["error"] == {
+        "message": "The model `not-served` does not exist. Valid aliases: sim-model.",
+        "type": "NotFoundError", "param": "model", "code": 404}
+    body = chat("x")
+    del body["model"]
+    assert httpx.post(sim.url + CHAT, json=body).json()["model"] == "sim-model"
+
+
+def test_tokenize_and_detokenize_round_trip(sim: Sim) -> None:
+    tokens = httpx.post(sim.url + "/tokenize", json={"model": "sim-model", "prompt": "hé"}).json()
+    assert tokens["count"] == 3 and tokens["max_model_len"] == 4000
+    text = httpx.post(sim.url + "/detokenize", json={"model": "sim-model",
+                                                     "tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": "hé"}
+    assert httpx.get(sim.url + "/version").json() == {"version": "0.32.0"}
+
+
+def test_cut_drops_a_whole_reply_after_its_headers(sim: Sim) -> None:
+    with httpx.stream("POST", sim.url + CHAT, json=chat("x"),
+                      headers={"x-sim": "fault=cut,after=10"}) as resp:
+        assert resp.status_code == 200 and int(resp.headers["content-length"]) > 10
+        received = bytearray()
+        with pytest.raises(httpx.RemoteProtocolError):
+            for piece in resp.iter_raw():
+                received += piece
+    assert len(received) == 10
+
+
+def test_split_writes_events_in_pieces(sim: Sim) -> None:
+    with httpx.stream("POST", sim.url + CHAT, json=chat("x", stream=True, max_tokens=3),
+                      headers={"x-sim": "split=7"}) as resp:
+        pieces = list(resp.iter_raw())
+    whole = b"".join(pieces)
+    assert max(len(p) for p in pieces) <= 7 < len(whole)
+    events = whole.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 6

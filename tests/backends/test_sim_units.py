@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import base64
+import struct
+
 import pytest
 
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import BLOCK, PrefixCache
+from backends.sim.replies import DIMENSIONS, embedding_vector, encode_vector, unknown_model
+from backends.sim.validate import CHAT, EMBEDDINGS, Rejected, check_model, parse
 
 
 def test_prefix_cache_counts_shared_prefixes_in_blocks() -> None:
@@ -19,6 +24,8 @@ def test_prefix_cache_counts_shared_prefixes_in_blocks() -> None:
 def test_x_sim_header_overrides() -> None:
     opts = SimOptions().override("fault=crash; after=3, ttft=0.5")
     assert (opts.fault, opts.after, opts.ttft) == (Fault.CRASH, 3, 0.5)
+    opts = SimOptions().override("fault=cut,split=5")
+    assert (opts.fault, opts.split) == (Fault.CUT, 5)
     with pytest.raises(ValueError):
         SimOptions().override("bogus=1")
 
@@ -31,3 +38,26 @@ def test_per_model_options() -> None:
     assert opts.for_model("sim-model").itl == 0.0
     with pytest.raises(ValueError):
         SimOptions.parse_model("m:nope=1")
+
+
+def test_requests_are_checked_in_vllms_order() -> None:
+    assert parse(CHAT, "text/plain", b"{}") == Rejected(400, parse(CHAT, "", b"").body)
+    bad = parse(CHAT, "application/json; charset=utf-8", b'{"a": ')
+    assert isinstance(bad, Rejected) and b'"param":"body.6"' in bad.body
+    missing = parse(CHAT, "application/json", b'{"model": "m"}')
+    assert isinstance(missing, Rejected) and b'"param":"body.messages"' in missing.body
+    body = parse(EMBEDDINGS, "application/json", b'{"model": "m", "input": "x"}')
+    assert isinstance(body, dict)
+    assert check_model(EMBEDDINGS, body, ("m",)) is None
+    assert check_model(EMBEDDINGS, {"model": "n"}, ("m",)) == Rejected(404, unknown_model(
+        "n", ("m",), pooling=True))
+    assert check_model(CHAT, {}, ("m",)) is None
+
+
+def test_base64_is_little_endian_float32_unless_asked_big() -> None:
+    vector = embedding_vector("x")
+    little = base64.b64decode(encode_vector(vector, "base64", "native"))
+    big = base64.b64decode(encode_vector(vector, "base64", "big"))
+    assert list(struct.unpack(f"<{DIMENSIONS}f", little)) == vector
+    assert list(struct.unpack(f">{DIMENSIONS}f", big)) == vector
+    assert encode_vector(vector, "float", "native") is vector

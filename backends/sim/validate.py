@@ -1,0 +1,85 @@
+"""vLLM's request checks, in vLLM's order: media type, JSON, required fields, model.
+
+Each failure carries the status and body vLLM 0.32 answers with (see
+tests/fixtures/vllm_0.32_replies.json): FastAPI validation errors are type "Bad Request",
+vLLM's own checks "BadRequestError", an unknown model a 404 "NotFoundError".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from backends.sim.replies import error_body, unknown_model
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
+ENCODING_FORMATS = ("float", "base64")
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    status: int
+    body: bytes
+
+
+def _validation(kind: str, loc: str, msg: str, value: str | None = None,
+                param: str | None = "") -> Rejected:
+    entry = f"'type': '{kind}', 'loc': '{loc}', 'msg': '{msg}'"
+    if value is not None:
+        entry += f", 'input': '{value}'"
+    message = f"1 validation error:\n  {{{entry}}}"
+    return Rejected(400, error_body(400, message, "Bad Request", loc if param == "" else param))
+
+
+def _missing(field: str, body: dict[str, Any]) -> Rejected:
+    return _validation("missing", f"body.{field}", "Field required", f"<dict of {len(body)} items>")
+
+
+def parse(path: str, content_type: str, raw: bytes) -> dict[str, Any] | Rejected:
+    """The request body as vLLM would accept it, or what vLLM answers instead."""
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        message = ("1 validation error:\n"
+                   "  Unsupported Media Type: Only 'application/json' is allowed")
+        return Rejected(400, error_body(400, message, "Bad Request"))
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return _validation("json_invalid", f"body.{exc.pos}", "JSON decode error")
+    if not isinstance(body, dict):
+        return _validation("model_attributes_type", "body",
+                           "Input should be a valid dictionary or object to extract fields from")
+    return _required(path, body) or body
+
+
+def _required(path: str, body: dict[str, Any]) -> Rejected | None:
+    if path == CHAT and "messages" not in body:
+        return _missing("messages", body)
+    if path == COMPLETIONS and not body.get("prompt"):
+        message = ("Either prompt or prompt_embeds must be provided and non-empty. "
+                   "(parameter=prompt)")
+        return Rejected(400, error_body(400, message, "BadRequestError", "prompt"))
+    if path == EMBEDDINGS:
+        if "input" not in body:
+            return _missing("input", body)
+        if body.get("encoding_format", "float") not in ENCODING_FORMATS:
+            return _validation("literal_error", "body.encoding_format",
+                               "Input should be 'float' or 'base64' (the simulator's formats)")
+    if path == TOKENIZE and "prompt" not in body and "messages" not in body:
+        return _missing("prompt", body)
+    if path == DETOKENIZE and not isinstance(body.get("tokens"), list):
+        return _missing("tokens", body)
+    return None
+
+
+def check_model(path: str, body: dict[str, Any], served: tuple[str, ...]) -> Rejected | None:
+    """A missing model means the first served one (vLLM's default); another name is a 404."""
+    model = body.get("model")
+    if not model or model in served:
+        return None
+    return Rejected(404, unknown_model(model, served, pooling=path == EMBEDDINGS))
