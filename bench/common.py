@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 TICK = os.sysconf("SC_CLK_TCK")
+REPO = Path(__file__).resolve().parents[1]
 HAVE_TASKSET = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
 PROXY_CORE, LOAD_CORE = "0", "1"
 
@@ -26,13 +27,17 @@ def free_port() -> int:
         return port
 
 
-def pinned(core: str, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", core, *argv] if HAVE_TASKSET else argv
+def pinned(core: str | None, argv: list[str]) -> list[str]:
+    """``argv`` bound to ``core`` (a taskset list); None leaves it to the scheduler."""
+    return ["taskset", "-c", core, *argv] if HAVE_TASKSET and core is not None else argv
 
 
-def start(core: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(core: str | None, argv: list[str], log: Path,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    # The code beside this bench, whatever the working directory and installed copy.
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return subprocess.Popen(pinned(core, argv), stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd, env={**os.environ, "PYTHONPATH": path})
 
 
 def wait_http(url: str, timeout: float = 30) -> None:
@@ -95,8 +100,8 @@ def sim_argv(port: int, itl: float, *extra: str) -> list[str]:
 
 
 def loadgen(urls: list[str], concurrency: int, requests: int, tokens: int,
-            *extra: str) -> dict[str, object]:
-    argv = pinned(LOAD_CORE, [sys.executable, "-m", "bench.loadgen", *urls, "--concurrency",
+            *extra: str, core: str | None = LOAD_CORE) -> dict[str, object]:
+    argv = pinned(core, [sys.executable, "-m", "bench.loadgen", *urls, "--concurrency",
                               str(concurrency), "--requests", str(requests), "--tokens",
                               str(tokens), *extra])
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=900)
@@ -112,3 +117,17 @@ def rss_peak_mb(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 total += int(line.split()[1])
     return round(total / 1024, 1)
+
+
+def metric(url: str, name: str) -> float:
+    """One Prometheus sample of the target's /metrics, summed over its labels (0 if absent)."""
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+    return sum((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{")), 0.0)
+
+
+def count_lines(log: Path, needle: str) -> int:
+    if not log.exists():
+        return 0
+    with log.open("rb") as f:
+        return sum(needle.encode() in line for line in f)

@@ -2,7 +2,10 @@
 simulated backends, interleaved rounds, medians. Writes docs/BENCHMARKS.md and a plot.
 
     bash bench/install_peers.sh          # once: nginx, vllm-router, litellm
-    .venv/bin/python -m bench.compare    # ~10 minutes on 2 cores
+    .venv/bin/python -m bench.compare    # ~12 minutes on 2 cores
+
+The gateway runs twice: in the default configuration (config.toml as shipped, url backends
+on the simulators) and trimmed (bench.targets.TRIMMED: no Redis, no access log).
 
 Each proxy runs alone on core 0; two simulators and the load generator share core 1.
 A latency phase whose load core was saturated (>95 % busy) is marked and fails the run.
@@ -24,9 +27,11 @@ from bench.common import (
     HAVE_TASKSET,
     LOAD_CORE,
     PROXY_CORE,
+    count_lines,
     cpu_seconds,
     free_port,
     loadgen,
+    metric,
     rss_peak_mb,
     sim_argv,
     start,
@@ -43,19 +48,56 @@ def direct(sims: list[str], tmp: Path) -> targets.Running:
     return targets.Running("direct", sims, None)
 
 
-def gateway_2w(sims: list[str], tmp: Path) -> targets.Running:
+def gateway_trimmed_2w(sims: list[str], tmp: Path) -> targets.Running:
     # Two workers need two cores: this one shares core 1 with the load, stated in the output.
+    # The default features need a shared redis:// URL with two workers, hence trimmed only.
     return targets.gateway(sims, tmp, workers=2, core=f"{PROXY_CORE},{LOAD_CORE}")
 
 
 STARTERS: dict[str, Starter] = {
     "direct": direct,
-    "vllm-gateway": targets.gateway,
-    "vllm-gateway x2": gateway_2w,
+    "vllm-gateway default": targets.gateway_default,
+    "vllm-gateway trimmed": targets.gateway,
+    "vllm-gateway trimmed x2": gateway_trimmed_2w,
     "nginx": targets.nginx,
     "vllm-router": targets.vllm_router,
     "litellm": targets.litellm,
 }
+# Every request of every phase, to every target: cacheable (temperature 0), and every other
+# one in a session, so the default gateway pins and keeps replies as it would in service.
+WORKLOAD = ("--temperature", "0", "--sessions")
+REDIS_DOWN = "redis unavailable"
+
+
+def redis_record(run: targets.Running) -> dict[str, float]:
+    """What the gateway's Redis link went through during the run (before it stops)."""
+    return {"redis_errors": metric(run.urls[0], "gateway_redis_errors_total"),
+            "redis_unavailable_lines": count_lines(run.log, REDIS_DOWN) if run.log else 0,
+            "sticky_routed": metric(run.urls[0], "gateway_sticky_total")}
+
+
+def setup_text(rounds: int, redis: dict[str, list[dict[str, float]]], elapsed: float) -> str:
+    trimmed = ", ".join(f"`{k} = {json.dumps(v)}`" for k, v in targets.TRIMMED.items())
+    seen = "; ".join(
+        f"{name}, per round: `gateway_redis_errors_total` "
+        + ", ".join(str(int(r["redis_errors"])) for r in rs) + f"; '{REDIS_DOWN}' log lines "
+        + ", ".join(str(int(r["redis_unavailable_lines"])) for r in rs)
+        for name, rs in redis.items())
+    return (f"{rounds} interleaved rounds, medians; proxies pinned to core {PROXY_CORE}, "
+            f"2 simulators and the load generator to core {LOAD_CORE}"
+            + ("" if HAVE_TASKSET else " (NOT pinned: taskset missing)")
+            + ". Every request carries `temperature: 0` and every other one an `X-Session-ID` "
+            "(one session per load worker); only the default gateway acts on them. "
+            "**vllm-gateway default** is `config.toml` as shipped (embedded Redis, sticky "
+            "routing, reply cache, shared breakers, `log_level = \"info\"` with the access "
+            "log, json log), its two spawned vLLM backends replaced by url backends on the "
+            "simulators (they stand in for vLLM: this measures the proxy, not the model). "
+            f"**vllm-gateway trimmed** is the same with {trimmed}: no Redis at all and no "
+            "access-log lines. 'vllm-gateway trimmed x2' is trimmed with `workers = 2` on "
+            f"both cores, so it shares core {LOAD_CORE} with the load (two workers need a "
+            "shared `redis://` URL for the default features)"
+            + (f"; {seen}" if seen else "")
+            + f"; suite took {elapsed / 60:.1f} min")
 
 
 class Bench:
@@ -69,7 +111,7 @@ class Bench:
         proxy_cpu = cpu_seconds(run.proc.pid) if run.proc else 0.0
         sims_cpu = sum(cpu_seconds(p) for p in self.sim_pids)
         t0 = time.perf_counter()
-        result = loadgen(run.urls, concurrency, requests, tokens, *extra)
+        result = loadgen(run.urls, concurrency, requests, tokens, *WORKLOAD, *extra)
         wall = time.perf_counter() - t0
         sims_cpu = sum(cpu_seconds(p) for p in self.sim_pids) - sims_cpu
         result["proxy_cpu_s"] = (cpu_seconds(run.proc.pid) - proxy_cpu) if run.proc else 0.0
@@ -105,7 +147,7 @@ class Bench:
         return {"held": held, "levels": levels, "rss_peak_mb": rss}
 
 
-def main() -> int:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -118,35 +160,32 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--raw", type=Path, default=Path("bench/results/compare.json"))
     parser.add_argument("--smoke", action="store_true",
-                        help="seconds-long check: direct and vllm-gateway, tiny loads, no docs")
+                        help="seconds-long check: direct and both gateways, tiny loads, no docs")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite docs/BENCHMARKS.md from --raw without measuring")
     args = parser.parse_args()
-    if args.report_only:
-        raw = json.loads(args.raw.read_text())
-        summary = report.summarise(raw["rounds"], raw["capacity"])
-        report.write(args.out, raw["setup"], summary, raw.get("argv", []), raw.get("scaling"))
-        return 0
     if args.smoke:
-        args.rounds, args.targets, args.levels = 1, ["direct", "vllm-gateway"], [16]
+        args.rounds, args.levels = 1, [16]
+        args.targets = ["direct", "vllm-gateway default", "vllm-gateway trimmed"]
         args.c1_requests, args.c64_requests, args.plain_requests = 3, 1, 1
         args.burst_requests = 1
-    missing = [t for t, ok in targets.available().items() if t in args.targets and not ok]
-    if not args.smoke and importlib.util.find_spec("matplotlib") is None:
-        missing.append("matplotlib (the plot)")
-    if missing:
-        print(f"missing peers {missing}: run bash bench/install_peers.sh", file=sys.stderr)
-        return 2
+    return args
 
-    tmp = Path(tempfile.mkdtemp(prefix="vgw-compare-"))
+
+Rounds = dict[str, list[dict[str, dict[str, object]]]]
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> tuple[Rounds, dict[str, dict[str, object]],
+                                                          dict[str, list[dict[str, float]]]]:
+    """Every target, round after round, on the same two simulators."""
     ports = [free_port(), free_port()]
     sims = [f"http://127.0.0.1:{p}" for p in ports]
     models = ["--model", "sim-model", "--model", "hold-model:itl=0.5",
               "--model", "quick-model:itl=0"]
     procs = [start(LOAD_CORE, sim_argv(p, ITL, *models), tmp / f"sim{p}.log") for p in ports]
-    rounds: dict[str, list[dict[str, dict[str, object]]]] = {t: [] for t in args.targets}
+    rounds: Rounds = {t: [] for t in args.targets}
     capacity: dict[str, dict[str, object]] = {}
-    started = time.monotonic()
+    redis: dict[str, list[dict[str, float]]] = {}
     try:
         for url in sims:
             wait_http(url + "/health")
@@ -158,6 +197,8 @@ def main() -> int:
                     rounds[name].append(bench.latency(run))
                     if r == args.rounds - 1:
                         capacity[name] = bench.capacity(run)
+                    if name.startswith("vllm-gateway default"):
+                        redis.setdefault(name, []).append(redis_record(run))
                 finally:
                     if run.proc:
                         stop(run.proc)
@@ -165,27 +206,14 @@ def main() -> int:
     finally:
         for p in procs:
             stop(p)
-    workers = None
-    if "vllm-gateway" in args.targets and scaling.available():
-        workers = scaling.run(args.rounds, seconds=2 if args.smoke else 5)
-        print("scaling done", file=sys.stderr)
-    elapsed = time.monotonic() - started
-    setup = (f"{args.rounds} interleaved rounds, medians; proxies pinned to core {PROXY_CORE}, "
-             f"2 simulators and the load generator to core {LOAD_CORE}"
-             + ("" if HAVE_TASKSET else " (NOT pinned: taskset missing)")
-             + "; 'vllm-gateway x2' is `workers = 2` on both cores, so it shares core "
-             + f"{LOAD_CORE} with the load; suite took {elapsed / 60:.1f} min")
-    summary = report.summarise(rounds, capacity)
-    raw = {"setup": setup, "summary": summary, "rounds": rounds, "capacity": capacity,
-           "scaling": workers, "argv": sys.argv[1:]}
-    args.raw.parent.mkdir(parents=True, exist_ok=True)
-    if not args.smoke:
-        args.raw.write_text(json.dumps(raw, indent=1))
-        report.write(args.out, setup, summary, sys.argv[1:], workers)
-    print(json.dumps(summary, indent=1))
+    return rounds, capacity, redis
+
+
+def verdict(args: argparse.Namespace, rounds: Rounds, summary: dict[str, dict[str, object]],
+            workers: dict[str, object] | None) -> int:
     saturated = [f"{t} {p}" for t, rs in rounds.items() for rr in rs for p, v in rr.items()
                  if p != "plain" and float(v["load_core_busy"]) > SATURATED]  # type: ignore[arg-type]
-    if workers and workers["summary"]["1 worker"]["load_core_busy"] > SATURATED:
+    if workers and workers["summary"]["1 worker"]["load_core_busy"] > SATURATED:  # type: ignore[index]
         saturated.append("scaling, 1 worker")
     mismatched = [t for t, s in summary.items() if not s["shapes_match"]]
     if saturated and not args.smoke:
@@ -195,6 +223,37 @@ def main() -> int:
         print(f"chunk counts differ from direct: {mismatched}", file=sys.stderr)
         return 4
     return 0
+
+
+def main() -> int:
+    args = arguments()
+    if args.report_only:
+        raw = json.loads(args.raw.read_text())
+        summary = report.summarise(raw["rounds"], raw["capacity"])
+        report.write(args.out, raw["setup"], summary, raw.get("argv", []), raw.get("scaling"))
+        return 0
+    missing = [t for t, ok in targets.available().items() if t in args.targets and not ok]
+    if not args.smoke and importlib.util.find_spec("matplotlib") is None:
+        missing.append("matplotlib (the plot)")
+    if missing:
+        print(f"missing peers {missing}: run bash bench/install_peers.sh", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    rounds, capacity, redis = measure(args, Path(tempfile.mkdtemp(prefix="vgw-compare-")))
+    workers = None
+    if "vllm-gateway trimmed" in args.targets and scaling.available():
+        workers = scaling.run(args.rounds, seconds=2 if args.smoke else 5)
+        print("scaling done", file=sys.stderr)
+    setup = setup_text(args.rounds, redis, time.monotonic() - started)
+    summary = report.summarise(rounds, capacity)
+    raw = {"setup": setup, "summary": summary, "rounds": rounds, "capacity": capacity,
+           "redis": redis, "scaling": workers, "argv": sys.argv[1:]}
+    if not args.smoke:
+        args.raw.parent.mkdir(parents=True, exist_ok=True)
+        args.raw.write_text(json.dumps(raw, indent=1))
+        report.write(args.out, setup, summary, sys.argv[1:], workers)
+    print(json.dumps({"summary": summary, "redis": redis}, indent=1))
+    return verdict(args, rounds, summary, workers)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ By default every worker starts at once, so each round of requests arrives as one
 length, arrivals are evenly spaced and ``concurrency`` streams stay open at any moment
 (the steady state of a service holding that many streams).
 
+``--sessions`` puts an ``X-Session-ID`` on every other request (worker i's session,
+``--session-pool`` N: sessions shared by every N-th worker), ``--temperature 0`` makes the
+replies cacheable for the gateway's reply cache, and ``--unique-share F`` gives that share
+of requests a prompt of their own (the rest repeat one prompt).
+
     python -m bench.loadgen http://127.0.0.1:8080 --concurrency 64 --requests 4
 """
 
@@ -18,10 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
+import resource
 import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 import aiohttp
 
@@ -49,6 +57,42 @@ class Result:
     cpu_s: float  # this load generator's own CPU during the measured part
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What each request looks like: request j of worker i is ``request(i, j)``."""
+
+    model: str = "sim-model"
+    stream: bool = True
+    tokens: int = 32
+    temperature: float | None = None
+    sessions: bool = False
+    session_pool: int = 0  # 0: a session per worker
+    unique_share: float = 0.0
+
+    def _body(self, prompt: str) -> bytes:
+        fields: dict[str, object] = {"model": self.model, "stream": self.stream,
+                                     "max_tokens": self.tokens,
+                                     "messages": [{"role": "user", "content": prompt}]}
+        if self.temperature is not None:
+            fields["temperature"] = self.temperature
+        return json.dumps(fields).encode()
+
+    def request(self, i: int, j: int) -> tuple[bytes, dict[str, str]]:
+        headers = {"content-type": "application/json"}
+        if self.sessions and (i + j) % 2 == 0:
+            # Worker i's own session, or one of a pool that many workers share.
+            k = (i // 2 + j) % self.session_pool if self.session_pool else i
+            headers["x-session-id"] = f"bench-{k}"
+        # The same draw for the same (i, j) in every run and through every target.
+        unique = self.unique_share > 0 and random.Random(i * 100_003 + j).random() < (
+            self.unique_share)
+        return (self._body(f"benchmark {i}/{j}") if unique else self._repeated), headers
+
+    @cached_property
+    def _repeated(self) -> bytes:
+        return self._body("benchmark")
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"),
@@ -62,9 +106,10 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "mean": round(statistics.fmean(ordered) * 1000, 3)}
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, body: bytes, s: Samples) -> None:
+async def _stream(session: aiohttp.ClientSession, url: str, body: bytes,
+                  headers: dict[str, str], s: Samples) -> None:
     start = time.perf_counter()
-    async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
+    async with session.post(url, data=body, headers=headers) as r:
         if r.status != 200:
             await r.read()
             s.errors[f"http {r.status}"] += 1
@@ -93,9 +138,10 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: bytes, s: Samp
     s.shapes[(events, size)] += 1
 
 
-async def _plain(session: aiohttp.ClientSession, url: str, body: bytes, s: Samples) -> None:
+async def _plain(session: aiohttp.ClientSession, url: str, body: bytes,
+                 headers: dict[str, str], s: Samples) -> None:
     start = time.perf_counter()
-    async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
+    async with session.post(url, data=body, headers=headers) as r:
         data = await r.read()
         if r.status != 200:
             s.errors[f"http {r.status}"] += 1
@@ -106,13 +152,17 @@ async def _plain(session: aiohttp.ClientSession, url: str, body: bytes, s: Sampl
     s.shapes[(1, len(data))] += 1
 
 
-async def run(urls: list[str], concurrency: int, requests: int, tokens: int,
-              model: str = "sim-model", stream: bool = True, warmup: int = 1,
-              timeout_s: float = 300, spread: float = 0) -> Result:
+def raise_fd_limit() -> None:
+    """Thousands of concurrent streams need as many sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def run(urls: list[str], concurrency: int, requests: int, work: Workload,
+              warmup: int = 1, timeout_s: float = 300, spread: float = 0) -> Result:
     targets = [u.rstrip("/") + "/v1/chat/completions" for u in urls]
-    body = json.dumps({"model": model, "stream": stream, "max_tokens": tokens,
-                       "messages": [{"role": "user", "content": "benchmark"}]}).encode()
-    one = _stream if stream else _plain
+    one = _stream if work.stream else _plain
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -120,9 +170,10 @@ async def run(urls: list[str], concurrency: int, requests: int, tokens: int,
             url = targets[i % len(targets)]
             if delay:
                 await asyncio.sleep(delay)
-            for _ in range(n):
+            for j in range(n):
+                body, headers = work.request(i, j)
                 try:
-                    await one(session, url, body, s)
+                    await one(session, url, body, headers, s)
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     s.errors[type(exc).__name__] += 1
 
@@ -157,16 +208,25 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per request")
     parser.add_argument("--spread", type=float, default=0,
                         help="seconds over which the workers' first requests are spread")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--sessions", action="store_true",
+                        help="an X-Session-ID on every other request")
+    parser.add_argument("--session-pool", type=int, default=0,
+                        help="distinct sessions (0: one per worker)")
+    parser.add_argument("--unique-share", type=float, default=0.0,
+                        help="share of requests with a prompt of their own")
     args = parser.parse_args()
+    raise_fd_limit()
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    result = asyncio.run(run(args.url, args.concurrency, args.requests, args.tokens,
-                             args.model, not args.no_stream, args.warmup, args.timeout,
-                             args.spread))
+    work = Workload(args.model, not args.no_stream, args.tokens, args.temperature,
+                    args.sessions, args.session_pool, args.unique_share)
+    result = asyncio.run(run(args.url, args.concurrency, args.requests, work, args.warmup,
+                             args.timeout, args.spread))
     print(json.dumps(asdict(result)))
 
 

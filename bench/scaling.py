@@ -141,7 +141,8 @@ def run(rounds: int, seconds: int = 5, connections: int = 64) -> dict[str, Any]:
     finally:
         stop(backend)
     return {"runs": runs, "summary": summarise(runs),
-            "setup": (f"wrk -t1 -c{connections} -d{seconds}s and an nginx static backend on "
+            "setup": ("the gateway trimmed (bench.targets.TRIMMED: no Redis, no access log); "
+                      f"wrk -t1 -c{connections} -d{seconds}s and an nginx static backend on "
                       f"core {LOAD_CORE}; 1 worker on core {PROXY_CORE}, 2 workers on cores "
                       f"{PROXY_CORE},{LOAD_CORE}; {rounds} interleaved rounds, medians")}
 

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common import PROXY_CORE, free_port, start, wait_http
 
 PEERS = Path(__file__).parent / ".peers"
 MODELS = ("sim-model", "hold-model", "quick-model")
+SHIPPED = Path(__file__).resolve().parents[1] / "config.toml"
+# What the trimmed gateway changes in the shipped config. Together these leave Redis out
+# (nothing uses it, so the embedded one is not started), and log_level drops the info-level
+# access log; the default gateway keeps all of them as shipped.
+TRIMMED: dict[str, object] = {
+    "gateway.log_level": "warning",
+    "routing.sticky": False,
+    "breaker.share": False,
+    "degraded.cache": False,
+}
 
 
 @dataclass
@@ -19,24 +33,77 @@ class Running:
     name: str
     urls: list[str]
     proc: subprocess.Popen[bytes] | None
+    log: Path | None = None
 
 
-def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str = PROXY_CORE) -> Running:
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def _table(name: str, table: dict[str, Any]) -> str:
+    plain = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    out = f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in plain.items())
+    return out + "".join(_table(f"{name}.{k}", v) for k, v in table.items()
+                         if isinstance(v, dict))
+
+
+def to_toml(raw: dict[str, Any]) -> str:
+    """The few TOML shapes a gateway config uses: tables, arrays of tables, plain values."""
+    out = []
+    for name, value in raw.items():
+        if isinstance(value, dict):
+            out.append(_table(name, value))
+        else:  # an array of tables: [[backends]], [[models]]
+            out.extend(_table(name, v).replace(f"[{name}]", f"[[{name}]]", 1) for v in value)
+    return "\n".join(out)
+
+
+def gateway_config(sims: list[str], port: int, trimmed: bool, workers: int = 1) -> str:
+    """config.toml as shipped, its spawned backends replaced by url backends on ``sims``;
+    ``trimmed`` applies TRIMMED on top."""
+    raw = tomllib.loads(SHIPPED.read_text())
+    raw["gateway"] = {**raw.get("gateway", {}), "listen": f"127.0.0.1:{port}"}
+    if workers != 1:
+        raw["gateway"]["workers"] = workers
+    if trimmed:
+        for dotted, value in TRIMMED.items():
+            section, key = dotted.split(".")
+            raw[section] = {**raw.get(section, {}), key: value}
+    raw["backends"] = [{"name": f"s{i}", "url": u} for i, u in enumerate(sims)]
+    return to_toml(raw)
+
+
+def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str | None = PROXY_CORE,
+            trimmed: bool = True) -> Running:
     port = free_port()
-    backends = "".join(f'\n[[backends]]\nname = "s{i}"\nurl = "{u}"\n' for i, u in enumerate(sims))
-    cfg = tmp / "gateway.toml"
-    cfg.write_text(f'[gateway]\nlisten = "127.0.0.1:{port}"\nlog_level = "warning"\n'
-                   f"workers = {workers}\n"
-                   # The workload has no session keys: no Redis needed for a pure proxy run.
-                   "[routing]\nsticky = false\n[breaker]\nshare = false\n"
-                   "[degraded]\ncache = false\n" + backends)
+    # Its own working directory: relative paths of the shipped config (logs/, Redis data)
+    # land there, not in the repository.
+    home = Path(tempfile.mkdtemp(prefix="gw-", dir=tmp))
+    cfg = home / "gateway.toml"
+    cfg.write_text(gateway_config(sims, port, trimmed, workers))
     proc = start(core, [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
-                 tmp / "gateway.log")
+                 home / "gateway.log", cwd=home)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/readyz")
     if workers > 1:  # every worker must have probed its backends before load starts
         time.sleep(1.0)
-    return Running("vllm-gateway" if workers == 1 else f"vllm-gateway x{workers}", [url], proc)
+    name = "vllm-gateway " + ("trimmed" if trimmed else "default")
+    return Running(name if workers == 1 else f"{name} x{workers}", [url], proc,
+                   home / "gateway.log")
+
+
+def gateway_default(sims: list[str], tmp: Path) -> Running:
+    return gateway(sims, tmp, trimmed=False)
 
 
 def nginx(sims: list[str], tmp: Path) -> Running:
