@@ -39,7 +39,7 @@ from gateway.canary import Canary
 from gateway.canary_sync import ArmStore, CanarySync
 from gateway.config import CONFIG_ENV, Config, ConfigError, load
 from gateway.degraded import Degraded
-from gateway.embedded_redis import EmbeddedValkey
+from gateway.embedded_redis import EmbeddedRedisError, EmbeddedValkey, refuse_to_start
 from gateway.errors import StreamAborted, error_body
 from gateway.http10 import Http10Framing
 from gateway.metrics import Metrics
@@ -165,10 +165,13 @@ class GatewayApp:
         embedded = None
         url = settings.url
         if url == "embedded":
-            embedded = EmbeddedValkey(settings.embedded_log)
-            await embedded.start()
+            embedded = EmbeddedValkey(settings.embedded_log, settings.data_dir)
+            try:
+                await embedded.start()
+            except EmbeddedRedisError as exc:
+                refuse_to_start(f"{self.config_path or 'config'}: {exc.key}: {exc}")
             url = embedded.url
-            log.info("embedded valkey on %s", url)
+            log.info("embedded valkey on %s, data in %s", url, embedded.data_dir)
         client = aioredis.from_url(
             url, socket_timeout=settings.timeout, socket_connect_timeout=settings.timeout,
             retry=Retry(NoBackoff(), 0), decode_responses=True)

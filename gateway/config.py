@@ -110,6 +110,18 @@ class RedisSection(Section):
     timeout: float = Field(default=0.1, gt=0, le=10)
     retry_interval: float = Field(default=1.0, gt=0, description="probe again after an error")
     embedded_log: str = "logs/valkey.log"
+    # The embedded server's append-only file (fsynced every second): pins outlive a restart.
+    # Relative to the working directory; one gateway per dir (it is locked).
+    data_dir: str = Field(default="data/valkey", min_length=1)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir(cls, value: str) -> str:
+        if "\0" in value:
+            raise ValueError("must not contain a NUL character")
+        if not value.strip():
+            raise ValueError("must name a directory")
+        return value
 
 
 class RoutingSection(Section):

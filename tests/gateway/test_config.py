@@ -129,3 +129,18 @@ def test_workers_with_embedded_redis_when_nothing_uses_it() -> None:
                     "breaker": {"share": False}, "degraded": {"cache": False},
                     "backends": [{"name": "a", "url": "http://h:1"}]})
     assert config.gateway.workers == 2 and not config.uses_redis
+
+
+def test_embedded_redis_data_dir_defaults_beside_the_working_directory() -> None:
+    config = parse({"backends": [{"name": "a", "url": "http://h:1"}]})
+    assert config.redis.data_dir == "data/valkey"
+
+
+def test_embedded_redis_data_dir_must_name_a_directory() -> None:
+    backends = [{"name": "a", "url": "http://h:1"}]
+    assert problems({"redis": {"data_dir": ""}, "backends": backends}) == [
+        "redis.data_dir: String should have at least 1 character"]
+    assert problems({"redis": {"data_dir": "  "}, "backends": backends}) == [
+        "redis.data_dir: must name a directory"]
+    assert problems({"redis": {"data_dir": "a\0b"}, "backends": backends}) == [
+        "redis.data_dir: must not contain a NUL character"]
