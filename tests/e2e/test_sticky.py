@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,14 +114,75 @@ def test_a_restarted_gateway_keeps_the_pins(tmp: Path, trio: list[Sim],
                                             redis_server: RedisServer) -> None:
     gw = Gateway(tmp, sticky_config(trio, redis_server.url), name="restartee")
     wait_for(lambda: http_ok(gw.url + "/readyz"), 10, "gateway ready")
-    placed = {f"keep-{i}": backend_for(gw, f"keep-{i}") for i in range(6)}
+    sessions = [f"keep-{i}" for i in range(6)]
+    placed = {s: backend_for(gw, s) for s in sessions}
     gw.stop()
     again = Gateway(tmp, sticky_config(trio, redis_server.url), name="restarted")
     try:
         wait_for(lambda: http_ok(again.url + "/readyz"), 10, "gateway ready")
-        assert {s: backend_for(again, s) for s in placed} == placed
+        # In the reverse order, a fresh round robin would place 4 of the 6 elsewhere; and
+        # every answer must come from a pin read back, none from a new one.
+        assert {s: backend_for(again, s) for s in reversed(sessions)} == placed
+        assert metric(again, "gateway_sticky_total", '{result="hit"}') == len(sessions)
+        assert metric(again, "gateway_sticky_total", '{result="miss"}') == 0
     finally:
         again.stop()
+
+
+def test_a_hung_redis_costs_a_request_at_most_its_timeout(tmp: Path, trio: list[Sim],
+                                                          redis_server: RedisServer) -> None:
+    """SIGSTOP, not kill: connections stay open and commands go unanswered (redis.timeout)."""
+    gw = Gateway(tmp, sticky_config(trio, redis_server.url), name="hung")
+    wait_for(lambda: http_ok(gw.url + "/readyz"), 10, "gateway ready")
+    sessions = [f"hung-{i}" for i in range(8)]
+    placed = {s: backend_for(gw, s) for s in sessions}
+    sent = iter(range(10**9))
+    hung: list[str] = []  # ids of requests sent and answered while Redis was stopped
+    stopped: list[bool] = [False]
+
+    def one_request() -> None:
+        n = next(sent)
+        during = stopped[0]
+        rid = f"hung-request-{n}"
+        resp = httpx.post(gw.url + CHAT, json=BODY, timeout=10, headers={
+            "x-session-id": sessions[n % len(sessions)], "x-request-id": rid})
+        resp.raise_for_status()
+        if during and stopped[0]:
+            hung.append(rid)
+
+    fallbacks = metric(gw, "gateway_sticky_total", '{result="fallback"}')
+    try:
+        with Load(one_request, threads=4) as load:
+            wait_for(lambda: len(load.outcomes) > 20, 10, "load running")
+            redis_server.popen.send_signal(signal.SIGSTOP)
+            stopped[0] = True
+            try:
+                wait_for(lambda: len(hung) > 30, 30, "requests while Redis hangs")
+                assert metric(gw, "gateway_sticky_total", '{result="fallback"}') > fallbacks
+                assert metric(gw, "gateway_redis_up") == 0
+            finally:
+                stopped[0] = False
+                redis_server.popen.send_signal(signal.SIGCONT)
+            wait_for(lambda: metric(gw, "gateway_redis_up") == 1, 10, "redis answers again")
+        assert load.failures == 0
+        # Each took about redis.timeout (0.2 s) at most, by the gateway's own clock (this
+        # busy machine's clients are slower than that): a generous margin on top, far
+        # below what a request waiting on the hung Redis would take.
+        took = access_durations(gw, hung)
+        assert len(took) == len(hung) and max(took) < (0.2 + 1.0) * 1000, sorted(took)[-5:]
+        hits = metric(gw, "gateway_sticky_total", '{result="hit"}')
+        assert {s: backend_for(gw, s) for s in sessions} == placed  # the pins, used again
+        assert metric(gw, "gateway_sticky_total", '{result="hit"}') == hits + len(sessions)
+    finally:
+        redis_server.popen.send_signal(signal.SIGCONT)
+        gw.stop()
+
+
+def access_durations(gw: Gateway, ids: list[str]) -> list[float]:
+    wanted = set(ids)
+    lines = (json.loads(line) for line in gw.proc.output().splitlines()
+             if line.startswith("{") and '"gateway.access"' in line)
+    return [float(entry["duration_ms"]) for entry in lines if entry.get("id") in wanted]
 
 
 def test_redis_outage_under_load_falls_back_and_recovers(tmp: Path, trio: list[Sim]) -> None:
