@@ -199,3 +199,55 @@ def metric(url: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return 0.0
+
+
+class RawBackend:
+    """A stand-in backend on a real socket, for replies no simulator sends: it answers the
+    health probes like vLLM and hands each POST to ``answer(conn, body)``, then closes."""
+
+    def __init__(self, answer: Callable[[socket.socket, bytes], None],
+                 model: str = "sim-model") -> None:
+        self._answer = answer
+        self._models = (b'{"object":"list","data":[{"id":"%s","object":"model"}]}'
+                        % model.encode())
+        self.posts = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        data = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, data = data.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(data) < length:
+                    data += conn.recv(65536)
+                body, data = data[:length], data[length:]
+                method, path = head.split(b" ")[:2]
+                if method == b"POST":
+                    self.posts += 1
+                    self._answer(conn, body)
+                    return
+                reply = self._models if path == b"/v1/models" else b""
+                status = b"200 OK" if path in (b"/health", b"/v1/models") else b"404 Not Found"
+                conn.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(reply) + reply)
+
+    def stop(self) -> None:
+        self._server.close()
