@@ -96,7 +96,7 @@ class Gateway:
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp / f"{name}.toml"
         self.config_path.write_text(
-            f'[gateway]\nlisten = "127.0.0.1:{self.port}"\n' + config
+            f'[gateway]\nlisten = "127.0.0.1:{self.port}"\n' + own_data_dir(config, tmp, name)
         )
         self.proc = Proc(["serve", "--config", str(self.config_path)], tmp / f"{name}.log", env)
 
@@ -109,6 +109,17 @@ class Gateway:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def own_data_dir(config: str, tmp: Path, name: str) -> str:
+    """Give the gateway its own embedded-Redis data dir, unless the config names one: a data
+    dir is locked by one gateway, and a shared one would carry pins from run to run."""
+    if "data_dir" in config:
+        return config
+    line = f'data_dir = "{tmp / f"{name}-valkey"}"\n'
+    if "[redis]\n" in config:
+        return config.replace("[redis]\n", "[redis]\n" + line, 1)
+    return config + "\n[redis]\n" + line
 
 
 def backend_toml(name: str, url: str, extra: str = "") -> str:
