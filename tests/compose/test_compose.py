@@ -91,8 +91,13 @@ def test_the_stack_config_is_a_valid_gateway_config(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_image_installs_the_package_the_readme_installs() -> None:
-    dockerfile = (REPO / "Dockerfile").read_text()
-    assert "COPY pyproject.toml" in dockerfile and "RUN pip install ." in dockerfile
-    assert 'ENTRYPOINT ["vllm-gateway"]' in dockerfile
+    lines = [line.split(None, 1) for line in (REPO / "Dockerfile").read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    steps = [(op.upper(), rest.strip()) for op, rest in lines if op.isalpha()]
+    installed = next(i for i, (op, rest) in enumerate(steps) if op == "RUN"
+                     and rest.split()[:3] == ["pip", "install", "."])
+    copied = {part for op, rest in steps[:installed] if op == "COPY" for part in rest.split()}
+    assert {"pyproject.toml", "gateway", "backends"} <= copied  # all of it, before the install
+    assert ("ENTRYPOINT", '["vllm-gateway"]') in steps
     install = (REPO / "scripts" / "install.sh").read_text()
     assert "pip install -q -e ." in install  # the same pyproject, editable for development

@@ -49,9 +49,14 @@ def test_open_gateway_says_so_once(gateway: Gateway, strict: Gateway) -> None:
     assert "the gateway is open" not in strict.proc.output()
 
 
-def test_secrets_never_reach_the_logs(strict: Gateway, gateway: Gateway) -> None:
+def test_secrets_never_reach_the_logs(strict: Gateway, gateway: Gateway,
+                                      sims: tuple[Sim, Sim]) -> None:
     sdk(strict).chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
     assert KEY not in strict.proc.output()
+    # other-model is served by b only: this request carries b's key upstream.
+    sdk(gateway).chat.completions.create(model="other-model", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    assert ("authorization", "Bearer backend-secret-b") in map(tuple, sims[1].stats()[
+        "last_headers"])
     assert "backend-secret-b" not in gateway.proc.output()
 
 

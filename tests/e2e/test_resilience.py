@@ -191,14 +191,24 @@ def test_half_open_lets_exactly_one_probe_through_out_of_fifty(
 
     async def fifty() -> list[int]:
         async with httpx.AsyncClient(timeout=30) as client:
-            async def one() -> int:
-                return (await client.post(gw.url + CHAT, json=BODY,
-                                          headers={"x-sim": "ttft=1.5"})).status_code
-            return await asyncio.gather(*(one() for _ in range(50)))
+            # The first request is the probe; it stays in flight until the other 49 have
+            # been answered, however slowly they arrive.
+            probe = asyncio.create_task(client.post(gw.url + CHAT, json=BODY,
+                                                    headers={"x-sim": "ttft=30"}))
+            while sim.stats()["running"] == 0:
+                assert not probe.done(), probe.result().text
+                await asyncio.sleep(0.02)
+            rest = await asyncio.gather(*(client.post(gw.url + CHAT, json=BODY)
+                                          for _ in range(49)))
+            assert sim.stats()["running"] == 1  # the probe was in flight throughout
+            probe.cancel()  # the client leaves: neither a success nor a failure
+            return [r.status_code for r in rest]
 
     statuses = asyncio.run(fifty())
     assert sim.stats()["requests"] - before == 1
-    assert sorted(statuses) == [200] + [503] * 49
+    assert statuses == [503] * 49
+    wait_for(lambda: sim.stats()["running"] == 0, 5, "the probe to be cancelled")
+    assert post(gw).status_code == 200  # the next probe succeeds
     assert breaker(gw, "s0")["state"] == "closed"
 
 

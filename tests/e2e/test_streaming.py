@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 from helpers import Gateway, Sim, wait_for
@@ -17,22 +16,25 @@ def body(stream: bool, max_tokens: int = 2) -> dict[str, object]:
             "messages": [{"role": "user", "content": "hi"}]}
 
 
-def test_each_chunk_reaches_the_client_before_the_next_is_sent(gateway: Gateway) -> None:
-    # The simulator sends the role chunk and tok0 at once, then waits 2 s before tok1.
-    started = time.monotonic()
-    with httpx.stream("POST", gateway.url + CHAT, json=body(True, 2),
-                      headers={"x-sim": "itl=2"}, timeout=10) as resp:
+def test_each_chunk_reaches_the_client_before_the_next_is_sent(
+    gateway: Gateway, sims: tuple[Sim, Sim],
+) -> None:
+    # The simulator sends the role chunk and tok0 at once, then waits 2 s before each of
+    # the next tokens. What the client holds at each step must be all that was sent.
+    with httpx.stream("POST", gateway.url + CHAT, json=body(True, 3),
+                      headers={"x-sim": "itl=2"}, timeout=30) as resp:
         assert resp.headers["cache-control"] == "no-cache"
         assert resp.headers["x-accel-buffering"] == "no"
-        arrivals = []
+        sim = _backend_of(sims)
+        done_before = sim.stats()["completed"]
+        tokens = []
         for line in resp.iter_lines():
             if '"content":" tok' in line:
-                arrivals.append((json.loads(line[6:])["choices"][0]["delta"]["content"],
-                                 time.monotonic() - started))
-    (first, t_first), (second, t_second) = arrivals
-    assert (first, second) == (" tok0", " tok1")
-    assert t_second - t_first > 1.8, "the second token comes 2 s after the first"
-    assert t_first < 1.0, f"first token held back for {t_first:.2f} s"
+                tokens.append(json.loads(line[6:])["choices"][0]["delta"]["content"])
+                if len(tokens) < 3:  # the generation is still going: nothing was held back
+                    assert sim.stats()["running"] >= 1
+                    assert sim.stats()["completed"] == done_before
+    assert tokens == [" tok0", " tok1", " tok2"]
 
 
 def _raw_request(gw: Gateway, payload: dict[str, object], extra: str = "") -> socket.socket:
@@ -51,15 +53,16 @@ def _backend_of(sims: tuple[Sim, Sim]) -> Sim:
 
 def test_disconnect_mid_stream_cancels_upstream(gateway: Gateway, sims: tuple[Sim, Sim]) -> None:
     before = {s.url: s.stats()["cancelled"] for s in sims}
+    completed = sum(s.stats()["completed"] for s in sims)
     sock = _raw_request(gateway, body(True, 1000), "x-sim: itl=0.05\r\n")
     assert b"tok0" in _read_until(sock, b"tok0")
     sim = _backend_of(sims)
     sock.close()
-    hung_up = time.monotonic()
-    wait_for(lambda: sim.stats()["cancelled"] == before[sim.url] + 1, 1.0,
+    # 1,000 tokens 50 ms apart would take 50 s: cancelled well before, not at the end.
+    wait_for(lambda: sim.stats()["cancelled"] == before[sim.url] + 1, 10,
              "the backend to see its request cancelled")
     assert sim.stats()["running"] == 0
-    assert time.monotonic() - hung_up < 1.0
+    assert sum(s.stats()["completed"] for s in sims) == completed  # it never finished
 
 
 def test_disconnect_while_waiting_for_headers_cancels_upstream(
@@ -70,7 +73,7 @@ def test_disconnect_while_waiting_for_headers_cancels_upstream(
     sock = _raw_request(gateway, body(False, 10), "x-sim: ttft=60\r\n")
     sim = _backend_of(sims)
     sock.close()
-    wait_for(lambda: sim.stats()["cancelled"] == before[sim.url] + 1, 1.0,
+    wait_for(lambda: sim.stats()["cancelled"] == before[sim.url] + 1, 10,
              "the backend to see its request cancelled")
     assert sim.stats()["running"] == 0
 

@@ -14,9 +14,9 @@ def now() -> float:
 def test_touches_keep_a_stream_alive_past_its_idle_time() -> None:
     async def main() -> bool:
         d = Deadline(now() + 60)
-        d.stream(idle=0.1, total=now() + 60)
-        for _ in range(6):  # 0.3 s in all, never 0.1 s without a touch
-            await asyncio.sleep(0.03)
+        d.stream(idle=0.5, total=now() + 60)
+        for _ in range(20):  # 1 s in all, twice the idle time; never 1/10 of it untouched
+            await asyncio.sleep(0.05)
             d.touch()
         d.cancel()
         return d.expired
@@ -57,7 +57,7 @@ def test_an_earlier_phase_due_re_arms_and_a_later_one_waits() -> None:
             await asyncio.sleep(5)
         except asyncio.CancelledError:
             first = d.absorb()
-        d.until(now() + 0.2)  # a later phase after an early timer: fires only at its due
+        d.until(now() + 30)  # a later phase after an early timer: fires only at its due
         await asyncio.sleep(0.1)
         second = not d.expired
         d.cancel()

@@ -33,7 +33,7 @@ def test_same_prefix_same_backend_until_it_is_overloaded() -> None:
     assert home is not None
     home.in_flight = 10  # far above the bounded-load cap for 4 backends
     moved = policy.choose(backends, ctx(system, "one more"))
-    assert moved is not home
+    assert moved in backends and moved is not home
 
 
 def test_different_prefixes_spread() -> None:
