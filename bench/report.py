@@ -54,8 +54,8 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
     head = ("| target | +TTFT p50 @1 ms | +TTFT p99 @1 ms | +TTFT p50 @64 ms | +TTFT p99 @64 ms "
             "| +gap p99 @64 ms | +TTFT p50 / p99, 64 at once ms | streams held, 0 errors "
             "| non-stream req/s | CPU s / 1k streams "
-            "| CPU s / 1k non-stream | peak RSS MiB | bytes = direct | load core busy, streams "
-            "/ non-stream |")
+            "| CPU s / 1k non-stream | peak RSS MiB | event + byte counts = direct "
+            "| load core busy, streams / non-stream |")
     rows = [head, "|" + "---|" * 14]
     for name, s in summary.items():
         rows.append(
@@ -112,9 +112,11 @@ def write(doc: Path, setup: str, summary: dict[str, dict[str, Any]], argv: list[
         "(64 at once: the burst's queueing on each side); 8 chunks at one stream at a time "
         "(c1 phase); "
         "held streams: 8 chunks 0.5 s apart, all open at once; non-stream: 8 tokens, no delay, "
-        "64 concurrent. 'bytes = direct': every stream's event count and bytes equal the "
-        "direct run's. 'load core busy': CPU of the load generator and both simulators over "
-        "wall time on their core; a streaming phase above 95 % fails the run. The non-stream "
+        "64 concurrent. 'event + byte counts = direct': every stream's number of events and "
+        "of bytes equal the direct run's (counts only; tests/e2e/test_passthrough.py compares "
+        "the bytes themselves). 'load core busy': CPU of the load generator and both "
+        "simulators over wall time on their core; a streaming phase above 95 % fails the run. "
+        "The non-stream "
         "phase drives that core to its ceiling on purpose: the direct run's req/s is the "
         "simulators' and load generator's ceiling, so proxies' req/s near it say only that "
         "they keep up; compare their CPU per request.\n\n"
