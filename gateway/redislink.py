@@ -8,6 +8,12 @@ not 2,048 of each (redis-py's pool holds 100 connections and fails past them wit
 ``MaxConnectionsError``). Background loops (breaker and canary sync, reply-cache writes)
 use ``call`` with a client call of their own.
 
+Every call is bounded by ``timeout``, measured on the event loop's clock but forgiving of
+the loop's own lag: when the deadline's timer runs late because the loop was busy (a burst
+of requests being parsed), the answer may already sit unread in the socket, so the call
+gets up to ``LAG_GRACE`` more turns of ``timeout`` before it counts as a Redis failure. A
+hung Redis on an idle loop still fails after ``timeout``.
+
 When Redis fails, the link reports itself unavailable (one log line per outage), answers
 at once without trying for ``retry_interval`` seconds, then tries again. Pins, breaker
 sharing and the reply cache all go through it, so an outage is seen (and logged) once.
@@ -31,6 +37,28 @@ log = logging.getLogger("gateway.redis")
 Command = tuple[Any, ...]
 _Queued = tuple[Sequence[Command], "asyncio.Future[list[Any]]"]
 FAILURES = (RedisError, OSError, TimeoutError)
+LAG_GRACE = 3  # extra timeouts granted when the deadline's own timer fired late
+
+
+async def bounded(awaitable: Awaitable[Any], within: float) -> Any:
+    """``await awaitable`` within ``within`` seconds of work by Redis, not of loop lag."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(awaitable)
+    deadline = loop.time() + within
+    try:
+        for _ in range(LAG_GRACE + 1):
+            done, _ = await asyncio.wait((task,), timeout=max(0.0, deadline - loop.time()))
+            if done:
+                return task.result()
+            if loop.time() - deadline < within / 2:
+                break  # the loop woke us on time: Redis itself is slow
+            deadline = loop.time() + within
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise TimeoutError(f"redis did not answer within {within:g} s")
 
 
 class RedisLink:
@@ -97,8 +125,7 @@ class RedisLink:
                         pipe.execute_command(*args[:-1], **args[-1])
                     else:
                         pipe.execute_command(*args)
-            async with asyncio.timeout(self._timeout):
-                results = await pipe.execute(raise_on_error=False)
+            results = await bounded(pipe.execute(raise_on_error=False), self._timeout)
         except (*FAILURES, asyncio.CancelledError) as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 self._failed(exc)
@@ -120,7 +147,7 @@ class RedisLink:
             return False, None
         started = self._clock()
         try:
-            result = await op()
+            result = await bounded(op(), self._timeout)
         except FAILURES as exc:
             self._failed(exc)
             return False, None
