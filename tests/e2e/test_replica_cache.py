@@ -34,8 +34,9 @@ def gateway(tmp: Path, name: str, sim: Sim, redis_url: str, prefix: str,
 def no_backend(gw: Gateway, sim: Sim) -> None:
     """Stop ``gw``'s only backend and wait until the gateway knows it."""
     sim.stop()
-    wait_for(lambda: httpx.get(gw.url + "/readyz").status_code == 503, 10,
-             "the gateway to see its backend gone")
+    ready = wait_for(lambda: (r := httpx.get(gw.url + "/readyz")).status_code == 503 and r, 10,
+                     "/readyz to answer 503")
+    assert ready.json() == {"ready": False, "backends": {"s": "unhealthy"}}
 
 
 def reply_keys(redis: RedisServer, prefix: str) -> list[str]:
