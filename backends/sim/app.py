@@ -227,8 +227,8 @@ class SimApp:
         if opts.fault in (Fault.CRASH, Fault.CUT):
             raise SimulatedCrash
         if opts.fault is Fault.INBAND:
-            event = b"data: " + error_body(500, "simulated in-band failure", "InternalServerError")
-            await send({"type": "http.response.body", "body": event + b"\n\n"})
+            event = replies.streaming_error(500, "simulated in-band failure", "InternalServerError")
+            await send({"type": "http.response.body", "body": event})
             raise _StreamEnded
         if opts.fault is Fault.STALL:
             await asyncio.sleep(opts.stall)

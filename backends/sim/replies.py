@@ -7,6 +7,7 @@ tests/fixtures/vllm_0.32_replies.json. All JSON is compact (Starlette's JSONResp
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import time
 import uuid
@@ -28,6 +29,12 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     """vLLM's ErrorResponse: ``{"error":{"message","type","param","code"}}``."""
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param,
                                    "code": status}})
+
+
+def streaming_error(status: int, message: str, kind: str) -> bytes:
+    """An error inside a 200 stream: vLLM writes it with ``json.dumps``, spaced, not compact."""
+    error = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return b"data: " + json.dumps(error).encode() + b"\n\n"
 
 
 def detail_body(detail: str) -> bytes:

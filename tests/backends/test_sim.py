@@ -71,7 +71,7 @@ def test_inband_error_inside_a_200_stream(sim: Sim) -> None:
                       headers={"x-sim": "fault=inband,after=2"})
     assert resp.status_code == 200
     events = [e for e in resp.text.split("\n\n") if e]
-    assert len(events) == 3 and '"error"' in events[-1]
+    assert len(events) == 3 and events[-1].startswith('data: {"error": {"message": ')
     assert "[DONE]" not in resp.text
 
 
