@@ -96,6 +96,7 @@ def _sim(args: argparse.Namespace) -> int:
         retry_after=args.retry_after,
         fault=Fault(args.fault),
         after=args.after,
+        split=args.split,
         stall=args.stall,
         seed=args.seed,
     )
@@ -187,9 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--busy-rate", type=float, default=0.0, help="fraction answered 503")
     sim.add_argument("--retry-after", type=int, default=1, help="Retry-After of a 503, seconds")
     sim.add_argument("--fault", default="none",
-                     choices=["none", "500", "busy", "crash", "inband", "stall"],
+                     choices=["none", "500", "busy", "crash", "inband", "stall", "cut"],
                      help="a fault applied to every request (x-sim header: per request)")
-    sim.add_argument("--after", type=int, default=0, help="chunks before crash/inband/stall")
+    sim.add_argument("--after", type=int, default=0,
+                     help="chunks before crash/inband/stall; body bytes before cut")
+    sim.add_argument("--split", type=int, default=0,
+                     help="bytes per write of a reply body or SSE event; 0 = one write each")
     sim.add_argument("--stall", type=float, default=3600.0, help="seconds a stall lasts")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--log-level", default="warning")
