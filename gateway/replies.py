@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -47,7 +48,8 @@ class ReplyCache:
                  dropped: Counter | None = None, queue_size: int = 1024) -> None:
         self._settings = settings
         self.link = link  # set once Redis is up
-        self._local: OrderedDict[str, bytes] = OrderedDict()
+        # key -> (monotonic expiry, body): the copy lives no longer than the Redis entry.
+        self._local: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         # Writes wait here for the one writer, so a burst of finished replies can never
         # take the connections or the round trips that pin lookups need; past the bound
         # a reply is simply not kept (counted).
@@ -107,7 +109,7 @@ class ReplyCache:
     def _remember(self, key: str, body: bytes) -> None:
         if self._settings.local_entries <= 0:
             return
-        self._local[key] = body
+        self._local[key] = (time.monotonic() + self._settings.cache_ttl, body)
         self._local.move_to_end(key)
         while len(self._local) > self._settings.local_entries:
             self._local.popitem(last=False)
@@ -121,7 +123,13 @@ class ReplyCache:
             value = results[0] if answered else None
             if value and not isinstance(value, Exception):
                 return value.encode() if isinstance(value, str) else bytes(value)
-        return self._local.get(key)
+        local = self._local.get(key)
+        if local is None:
+            return None
+        if local[0] <= time.monotonic():
+            del self._local[key]
+            return None
+        return local[1]
 
     async def aclose(self) -> None:
         """Let queued replies be written (briefly) before the Redis link goes."""

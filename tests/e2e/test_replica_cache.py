@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 from helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, wait_for
 
 CHAT = "/v1/chat/completions"
@@ -106,8 +105,6 @@ def test_an_expired_reply_is_no_longer_served(tmp_path: Path, redis_server: Redi
         sim.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the in-process copy (degraded.local_entries) has "
-                   "no lifetime and answers whenever Redis misses, so a reply outlives cache_ttl")
 def test_an_expired_reply_is_not_served_from_the_in_process_copy_either(
     tmp_path: Path, redis_server: RedisServer,
 ) -> None:
