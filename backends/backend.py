@@ -98,8 +98,9 @@ class Backend:
             return False
         if self.state is BackendState.STARTING:
             # A fresh backend has no earlier state to protect: its first probe decides,
-            # except that a spawned one is allowed its start-up time by the supervisor.
-            if not ok and self.managed:
+            # except for a spawned one, whose supervisor decides when it is ready (what
+            # answers on its port before that may be an orphan the supervisor will kill).
+            if self.managed:
                 return False
             self._streak = 0
             self.state = BackendState.READY if ok else BackendState.UNHEALTHY

@@ -77,6 +77,7 @@ class Admin:
                 "restarts": b.restarts, "in_flight": b.in_flight, "last_probe": b.last_probe,
                 "flaps": b.flaps, "models": sorted(b.models),
                 "breaker": self._breakers.status(b.name),
+                "problem": s.problem if (s := self._supervisors.get(b.name)) else None,
             }
             for b in self._pool.backends
         ]})
