@@ -102,9 +102,11 @@ def counters(url: str) -> dict[str, float]:
 
 def log_figures(log: Path) -> dict[str, Any]:
     text = log.read_text(errors="replace") if log.exists() else ""
-    kinds = Counter(re.findall(DOWN + r" \((\w+)\)", text))
+    kinds = Counter(re.findall(DOWN + r" \((\w+)", text))
+    lines = [line for line in text.splitlines() if DOWN in line]
     return {"redis_unavailable_lines": count_lines(log, DOWN),
-            "redis_back_lines": count_lines(log, BACK), "redis_error_kinds": dict(kinds)}
+            "redis_back_lines": count_lines(log, BACK), "redis_error_kinds": dict(kinds),
+            "redis_unavailable_messages": lines[:5]}
 
 
 def burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:

@@ -173,10 +173,9 @@ class GatewayApp:
             url = embedded.url
             log.info("embedded valkey on %s, data in %s", url, embedded.data_dir)
         client = aioredis.from_url(
-            # The link bounds every call by redis.timeout itself, forgiving loop lag; the
-            # client's own socket timeouts are only a backstop.
-            url, socket_timeout=max(1.0, 10 * settings.timeout),
-            socket_connect_timeout=max(1.0, 10 * settings.timeout),
+            # The link bounds every call (connecting included) by redis.timeout itself,
+            # forgiving loop lag; socket timeouts of redis-py's own would count that lag.
+            url, socket_timeout=None, socket_connect_timeout=None,
             retry=Retry(NoBackoff(), 0), decode_responses=True)
         link = RedisLink(client, settings.key_prefix, settings.retry_interval, self.metrics,
                          timeout=settings.timeout)

@@ -9,10 +9,11 @@ not 2,048 of each (redis-py's pool holds 100 connections and fails past them wit
 use ``call`` with a client call of their own.
 
 Every call is bounded by ``timeout``, measured on the event loop's clock but forgiving of
-the loop's own lag: when the deadline's timer runs late because the loop was busy (a burst
-of requests being parsed), the answer may already sit unread in the socket, so the call
-gets up to ``LAG_GRACE`` more turns of ``timeout`` before it counts as a Redis failure. A
-hung Redis on an idle loop still fails after ``timeout``.
+the loop's own lag: when the deadline passes while the loop is busy (its timer fired late,
+or one turn of the loop takes more than a tenth of ``timeout``: a burst of requests being
+parsed), the answer may already sit unread in the socket, so the call gets another
+``timeout``, for as long as the loop stays busy, up to ``LAG_CAP`` timeouts in all. A hung
+Redis on a loop that keeps time fails after ``timeout``.
 
 When Redis fails, the link reports itself unavailable (one log line per outage), answers
 at once without trying for ``retry_interval`` seconds, then tries again. Pins, breaker
@@ -37,7 +38,7 @@ log = logging.getLogger("gateway.redis")
 Command = tuple[Any, ...]
 _Queued = tuple[Sequence[Command], "asyncio.Future[list[Any]]"]
 FAILURES = (RedisError, OSError, TimeoutError)
-LAG_GRACE = 3  # extra timeouts granted when the deadline's own timer fired late
+LAG_CAP = 50  # timeouts in all, at most, while the deadline's own timer keeps firing late
 
 
 async def bounded(awaitable: Awaitable[Any], within: float) -> Any:
@@ -46,12 +47,17 @@ async def bounded(awaitable: Awaitable[Any], within: float) -> Any:
     task = asyncio.ensure_future(awaitable)
     deadline = loop.time() + within
     try:
-        for _ in range(LAG_GRACE + 1):
+        for _ in range(LAG_CAP):
             done, _ = await asyncio.wait((task,), timeout=max(0.0, deadline - loop.time()))
             if done:
                 return task.result()
-            if loop.time() - deadline < within / 2:
-                break  # the loop woke us on time: Redis itself is slow
+            late = loop.time() - deadline
+            turn = loop.time()
+            await asyncio.sleep(0)  # how long one turn of the loop takes now
+            if task.done():
+                return task.result()
+            if late < within / 2 and loop.time() - turn < within / 10:
+                break  # the loop keeps time: Redis itself is slow
             deadline = loop.time() + within
     except asyncio.CancelledError:
         task.cancel()
@@ -160,9 +166,9 @@ class RedisLink:
         if self.up:
             self.up = False
             self._metrics.redis_up.set(0)
-            log.warning("redis unavailable (%s): pins fall back to consistent hashing, "
+            log.warning("redis unavailable (%s: %s): pins fall back to consistent hashing, "
                         "breakers to local state, until it answers again",
-                        type(exc).__name__)
+                        type(exc).__name__, exc)
 
     def _answered(self, started: float) -> None:
         self._metrics.redis_latency.observe(self._clock() - started)

@@ -32,6 +32,7 @@ log = logging.getLogger("gateway.replies")
 
 CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 # Fields that change how or to whom an answer is delivered, not what it says.
+WRITE_BATCH = 64  # replies per Redis pipeline from the writer
 NOT_PART_OF_THE_QUESTION = frozenset({"stream", "stream_options", "user", "metadata", "store",
                                       "service_tier", "request_id", "priority"})
 
@@ -85,26 +86,49 @@ class ReplyCache:
             self._writer = asyncio.create_task(self._write(), name="reply-cache")
 
     async def _write(self) -> None:
+        """Take what is queued (up to ``WRITE_BATCH`` replies), write it in one pipeline."""
         while True:
-            ctx, parts, stream = await self._queue.get()
+            batch = [await self._queue.get()]
+            while len(batch) < WRITE_BATCH and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
             try:
-                await self._keep(ctx, parts, stream)
+                await self._keep(batch)
             except Exception:  # one bad reply must not stop the writer
-                log.exception("request %s: reply not kept", ctx.request_id)
+                log.exception("replies not kept")
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
 
-    async def _keep(self, ctx: RequestContext, parts: Sequence[bytes], stream: bool) -> None:
-        data = b"".join(parts)
-        body = fold(ctx.path, data) if stream else data
-        if body is None or len(body) > self._settings.cache_max_bytes:
+    async def _keep(self, batch: list[tuple[RequestContext, Sequence[bytes], bool]]) -> None:
+        fresh: dict[str, bytes] = {}
+        for ctx, parts, stream in batch:
+            data = b"".join(parts)
+            body = fold(ctx.path, data) if stream else data
+            if body is None or len(body) > self._settings.cache_max_bytes:
+                continue
+            key = cache_key(ctx)
+            if key not in fresh and self._is_fresh(key, body):
+                continue  # the same answer, written moments ago: nothing new to keep
+            self._remember(key, body)
+            fresh[key] = body
+        if self.link is None or not fresh:
             return
-        key = cache_key(ctx)
-        self._remember(key, body)
-        if self.link is not None:
-            link = self.link
-            await link.call(lambda: link.client.set(
-                link.prefix + "reply:" + key, body, px=int(self._settings.cache_ttl * 1000)))
+        link, ttl_ms = self.link, int(self._settings.cache_ttl * 1000)
+
+        async def write() -> object:
+            pipe = link.client.pipeline(transaction=False)
+            for key, body in fresh.items():
+                pipe.set(link.prefix + "reply:" + key, body, px=ttl_ms)
+            return await pipe.execute()
+
+        await link.call(write)
+
+    def _is_fresh(self, key: str, body: bytes) -> bool:
+        """Is this answer already kept, written less than a tenth of its lifetime ago?"""
+        local = self._local.get(key)
+        if local is None or local[1] != body:
+            return False
+        return local[0] - time.monotonic() > self._settings.cache_ttl * 0.9
 
     def _remember(self, key: str, body: bytes) -> None:
         if self._settings.local_entries <= 0:

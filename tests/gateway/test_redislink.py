@@ -123,7 +123,7 @@ def test_a_busy_event_loop_is_not_mistaken_for_a_slow_redis(server: RedisServer)
         store = PinStore(link, 60)
         assert await store.claim("warm", "b0") == (True, None)  # connected
         claims = [asyncio.ensure_future(store.claim(f"s{i}", "b0")) for i in range(10)]
-        while not link._in_flight:  # the batch is on its way ...
+        while not link._in_flight:  # the batch is on its way ...  # noqa: ASYNC110
             await asyncio.sleep(0)
         await asyncio.sleep(0.02)  # ... sent, and answered into the socket
         time.sleep(0.3)  # the loop is busy elsewhere  # noqa: ASYNC251
