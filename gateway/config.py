@@ -322,6 +322,10 @@ def parse(raw: dict[str, Any]) -> Config:
                         "process supervises them); run them as url backends to use workers")
     if config is not None:
         problems.extend(_group_problems(config))
+    if (config is not None and config.upstream.client == "httpx"
+            and config.upstream.max_connections_per_backend):
+        problems.append("upstream.max_connections_per_backend: the httpx client has no "
+                        "per-backend cap; use client = \"aiohttp\" (the default) or set 0")
     if raw.get("backends") == []:
         problems.append("backends: at least one backend is required")
     if problems or config is None:

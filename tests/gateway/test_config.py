@@ -144,3 +144,12 @@ def test_embedded_redis_data_dir_must_name_a_directory() -> None:
         "redis.data_dir: must name a directory"]
     assert problems({"redis": {"data_dir": "a\0b"}, "backends": backends}) == [
         "redis.data_dir: must not contain a NUL character"]
+
+
+def test_a_per_backend_cap_the_chosen_client_cannot_keep_is_refused() -> None:
+    raw = {"upstream": {"client": "httpx", "max_connections_per_backend": 2},
+           "backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
+    assert any(p.startswith("upstream.max_connections_per_backend: the httpx client")
+               for p in problems(raw))
+    raw["upstream"] = {"client": "aiohttp", "max_connections_per_backend": 2}
+    assert parse(raw).upstream.max_connections_per_backend == 2
