@@ -88,7 +88,7 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
     for ax, (title, key, log) in zip(axes, panels, strict=True):
         actual = [summary[n][key] for n in names]
         values = [max(v, 1e-2) for v in actual]
-        ax.bar(names, values, color=["#2a9d8f" if n == "vllm-gateway" else "#8d99ae"
+        ax.bar(names, values, color=["#2a9d8f" if n.startswith("vllm-gateway") else "#8d99ae"
                                      for n in names])
         ax.set_title(title, fontsize=10)
         if log:
