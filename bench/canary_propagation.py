@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import LOAD_CORE, PROXY_CORE, free_port, start, stop, wait_http
-from gateway.embedded_redis import valkey_binary
+from gateway.state.embedded import valkey_binary
 
 
 def main() -> None:

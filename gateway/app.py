@@ -28,36 +28,37 @@ from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
 from backends.supervisor import Supervisor, start_in_turn
 from backends.vllm_metrics import LoadScraper, Nvml
-from gateway import logs
-from gateway.admin import Admin
-from gateway.admin_canary import CanaryAdmin
-from gateway.asgi import request_id, send_json
-from gateway.auth import ApiKeyAuth
-from gateway.breaker import Breakers, MetricsListener
-from gateway.breaker_sync import BreakerSync
-from gateway.canary import Canary
-from gateway.canary_sync import ArmStore, CanarySync
+from gateway.admin.backends import Admin
+from gateway.admin.canary import CanaryAdmin
+from gateway.admin.reload import Reloadable, apply, background
+from gateway.canary.arms import Arms, ArmStore
+from gateway.canary.rollout import Canary
+from gateway.canary.sync import CanarySync
 from gateway.config import CONFIG_ENV, Config, ConfigError, load
-from gateway.degraded import Degraded
-from gateway.embedded_redis import EmbeddedRedisError, EmbeddedValkey, refuse_to_start
 from gateway.errors import StreamAborted, error_body
-from gateway.http10 import Http10Framing
+from gateway.http.asgi import request_id, send_json
+from gateway.http.auth import ApiKeyAuth
+from gateway.http.framing import Http10Framing
 from gateway.metrics import Metrics
-from gateway.names import ModelNames
-from gateway.policies import make_policy
-from gateway.pool import BackendPool
+from gateway.observability import logs
+from gateway.observability.status import Status
 from gateway.proxy import Proxy
-from gateway.redislink import RedisLink
-from gateway.reload import Reloadable, apply, background
-from gateway.replies import ReplyCache
-from gateway.router import Router
-from gateway.status import Status
-from gateway.store import PinStore
+from gateway.resilience.breaker import Breakers, MetricsListener
+from gateway.resilience.breaker_sync import BreakerSync
+from gateway.resilience.degraded import Degraded
+from gateway.resilience.replies import ReplyCache
+from gateway.routing.names import ModelNames
+from gateway.routing.pins import PinStore
+from gateway.routing.policies import make_policy
+from gateway.routing.pool import BackendPool
+from gateway.routing.router import Router
+from gateway.state.embedded import EmbeddedRedisError, EmbeddedValkey, refuse_to_start
+from gateway.state.link import RedisLink
 from gateway.upstream import make_upstream
 
 log = logging.getLogger("gateway")
 
-DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text(encoding="utf-8")
+DASHBOARD = (Path(__file__).parent / "observability" / "dashboard.html").read_text(encoding="utf-8")
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
@@ -75,12 +76,13 @@ class GatewayApp:
         self.canary = Canary(config.canary, self.metrics)
         self.canary_sync: CanarySync | None = None
         self.router = Router(self.pool, make_policy(config.routing), None, config.routing,
-                             self.metrics, self.breakers, self.canary,
+                             self.metrics, self.breakers,
                              make_policy(config.routing, config.routing.pin_policy))
+        self.arms = Arms(self.pool, self.canary)
         self.replies = ReplyCache(config.degraded, dropped=self.metrics.reply_cache_dropped)
         degraded = Degraded(config.degraded, self.replies, self.metrics)
         self.proxy = Proxy(config, self.pool, self.upstream, self.router, degraded, self.metrics,
-                           self.canary)
+                           self.canary, self.arms)
         self.supervisors: dict[str, Supervisor] = {}
         admin_key = config.gateway.admin_key
         self.admin = Admin(self.pool, self.supervisors, self.breakers,
@@ -145,7 +147,7 @@ class GatewayApp:
                     link, self.breakers, breaker.reset_timeout, breaker.sync_interval).run(),
                     name="breaker-sync"))
             # Always, not only when the canary is on at start: a reload may turn it on.
-            self.router.arms = ArmStore(link, self.config.routing.session_ttl)
+            self.arms.store = ArmStore(link, self.config.routing.session_ttl)
             self.canary_sync = CanarySync(link, self.canary)
             self.canary_admin.publish = self.canary_sync.publish
             if self.canary.enabled:

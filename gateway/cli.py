@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gateway import logs
 from gateway.config import CONFIG_ENV, Config, ConfigError, load
+from gateway.errors import EXIT_CONFIG
+from gateway.observability import logs
 
-EXIT_CONFIG = 2
 log = logging.getLogger("gateway")
 
 
@@ -109,7 +109,7 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _admin(args: argparse.Namespace) -> int:
-    from gateway import admin_cli
+    from gateway.admin import client as admin_cli
 
     config = _load_or_exit(args.config)
     if args.command == "status":

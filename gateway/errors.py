@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import orjson
 
+EXIT_CONFIG = 2  # the exit code of a config problem (bad file, unusable data dir)
+
 
 def error_body(message: str, kind: str, code: str | int | None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})

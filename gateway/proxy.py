@@ -10,12 +10,11 @@ import orjson
 
 from backends.asgi import BodyTooLarge, Receive, Scope, Send, cancel_on_disconnect, read_body
 from backends.backend import Backend
-from gateway.asgi import request_id, send_error
-from gateway.breaker import Outcome, Ticket
-from gateway.canary import Canary
+from gateway.canary.arms import Arms
+from gateway.canary.rollout import Canary
+from gateway.canary.shadow import Shadow
+from gateway.canary.tally import Tally
 from gateway.config import Config
-from gateway.deadline import Deadline
-from gateway.degraded import Degraded
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -27,14 +26,17 @@ from gateway.errors import (
     UpstreamUnavailable,
     sse_error_event,
 )
-from gateway.headers import client_response_headers, upstream_request_headers
+from gateway.http.asgi import request_id, send_error
+from gateway.http.deadline import Deadline
+from gateway.http.headers import client_response_headers, upstream_request_headers
+from gateway.http.rewrite import ModelRewrite
 from gateway.metrics import Metrics
-from gateway.observe import RequestLog, Tally
-from gateway.pool import BackendPool
-from gateway.retry import RETRIABLE, RetryBudget, backoff, retry_after
-from gateway.rewrite import ModelRewrite
-from gateway.router import Router
-from gateway.shadow import Shadow
+from gateway.observability.access_log import RequestLog
+from gateway.resilience.breaker import Outcome, Ticket
+from gateway.resilience.degraded import Degraded
+from gateway.resilience.retry import RETRIABLE, RetryBudget, backoff, retry_after
+from gateway.routing.pool import BackendPool
+from gateway.routing.router import Router
 from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
@@ -57,10 +59,11 @@ class Proxy:
 
     def __init__(
         self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
-        degraded: Degraded, metrics: Metrics, canary: Canary,
+        degraded: Degraded, metrics: Metrics, canary: Canary, arms: Arms,
     ) -> None:
         self._pool = pool
         self._canary = canary
+        self._arms = arms
         self._tally = Tally(metrics, canary)
         self._log = RequestLog(metrics, config.gateway.access_log)
         self._shadow = Shadow(upstream, router, pool, canary, metrics,
@@ -178,7 +181,7 @@ class Proxy:
         total = loop.time() + self._timeouts.total_timeout
         self._budget.deposit()
         if self._canary.enabled:
-            await self._router.assign_arm(ctx)
+            await self._arms.assign(ctx)
             if ctx.group == self._canary.stable and self._canary.shadow():
                 ctx.shadow = self._shadow.mirror(ctx)
         tried: list[Backend] = []

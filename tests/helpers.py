@@ -137,7 +137,7 @@ class RedisServer:
         self.start()
 
     def start(self) -> None:
-        from gateway.embedded_redis import valkey_binary
+        from gateway.state.embedded import valkey_binary
 
         self.popen = subprocess.Popen(
             [str(valkey_binary()), "--port", str(self.port), "--bind", "127.0.0.1",

@@ -9,7 +9,7 @@ import pytest
 from backends.backend import Backend, BackendState, LoadReport
 from backends.spec import BackendSpec
 from backends.vllm_metrics import Nvml, parse
-from gateway.policies import LeastLoaded
+from gateway.routing.policies import LeastLoaded
 from gateway.types import RequestContext
 
 # As vLLM 0.x writes it: labels, HELP/TYPE lines, histograms beside the gauges.

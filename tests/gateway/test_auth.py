@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gateway.auth import ApiKeyAuth
+from gateway.http.auth import ApiKeyAuth
 
 
 async def _app(scope: object, receive: object, send: object) -> None:

@@ -10,9 +10,17 @@ import pytest
 
 from backends.backend import Backend, BackendState
 from backends.spec import BackendSpec
-from gateway.breaker import CLOSED, HALF_OPEN, OPEN, Admission, Breakers, MetricsListener, Outcome
 from gateway.config import BreakerSection
 from gateway.metrics import Metrics
+from gateway.resilience.breaker import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    Admission,
+    Breakers,
+    MetricsListener,
+    Outcome,
+)
 
 
 def backend(name: str = "b0") -> Backend:

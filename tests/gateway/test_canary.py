@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.canary import Canary, CanaryState, Window, judge
+from gateway.canary.rollout import Canary, CanaryState, Window, judge
 from gateway.config import CanarySection, RolloutSection
 from gateway.metrics import Metrics
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from gateway.deadline import Deadline
+from gateway.http.deadline import Deadline
 
 
 def now() -> float:

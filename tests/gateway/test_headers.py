@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from backends.backend import Backend
 from backends.spec import BackendSpec
-from gateway.headers import client_response_headers, filter_headers, upstream_request_headers
+from gateway.http.headers import client_response_headers, filter_headers, upstream_request_headers
 
 
 def backend(api_key: str | None = None) -> Backend:

@@ -3,7 +3,7 @@ from __future__ import annotations
 from backends.backend import Backend
 from backends.spec import BackendSpec
 from gateway.config import RoutingSection
-from gateway.policies import make_policy
+from gateway.routing.policies import make_policy
 from gateway.types import RequestContext
 
 CTX = RequestContext("r", "/v1/completions", "m", False, None, b"{}", [])

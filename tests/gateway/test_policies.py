@@ -2,9 +2,9 @@ from __future__ import annotations
 
 from backends.backend import Backend
 from backends.spec import BackendSpec
-from gateway.hashing import rendezvous
-from gateway.policies import PrefixAware, RoundRobin
-from gateway.policies.prefix import prompt_head
+from gateway.routing.hashing import rendezvous
+from gateway.routing.policies import PrefixAware, RoundRobin
+from gateway.routing.policies.prefix import prompt_head
 from gateway.types import RequestContext
 
 

@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 from helpers import RedisServer
 
 from gateway.metrics import Metrics
-from gateway.redislink import RedisLink
-from gateway.store import PinStore
+from gateway.routing.pins import PinStore
+from gateway.state.link import RedisLink
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import asyncio
 import orjson
 
 from gateway.config import DegradedSection
-from gateway.replies import ReplyCache, cache_key
+from gateway.resilience.replies import ReplyCache, cache_key
 from gateway.types import RequestContext
 
 MESSAGES = [{"role": "user", "content": "hi"}]

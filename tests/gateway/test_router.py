@@ -13,14 +13,14 @@ from helpers import RedisServer
 
 from backends.backend import Backend, BackendState
 from backends.spec import BackendSpec
-from gateway.breaker import Breakers
 from gateway.config import BreakerSection, RoutingSection
 from gateway.metrics import Metrics
-from gateway.policies import make_policy
-from gateway.pool import BackendPool
-from gateway.redislink import RedisLink
-from gateway.router import Router
-from gateway.store import PinStore
+from gateway.resilience.breaker import Breakers
+from gateway.routing.pins import PinStore
+from gateway.routing.policies import make_policy
+from gateway.routing.pool import BackendPool
+from gateway.routing.router import Router
+from gateway.state.link import RedisLink
 from gateway.types import RequestContext
 
 
@@ -160,7 +160,7 @@ def test_new_sessions_are_placed_in_turn_not_by_momentary_load(server: RedisServ
             settings = RoutingSection(pin_policy=pin)  # type: ignore[arg-type]
             breakers = Breakers(BreakerSection(), [b.name for b in pool])
             router = Router(BackendPool(pool, breakers.allows), make_policy(settings),
-                            PinStore(link, 60), settings, metrics, breakers, None,
+                            PinStore(link, 60), settings, metrics, breakers,
                             make_policy(settings, settings.pin_policy))
             names = await steps(router, client)
             await link.aclose()

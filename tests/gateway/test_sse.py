@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.sse import fold, static_reply, unfold
+from gateway.resilience.sse import fold, static_reply, unfold
 
 CHAT = "/v1/chat/completions"
 

@@ -6,8 +6,8 @@ import hmac
 from collections.abc import Sequence
 
 from backends.asgi import ASGIApp, Receive, Scope, Send
-from gateway.asgi import request_id, send_error
 from gateway.errors import Unauthorized
+from gateway.http.asgi import request_id, send_error
 
 
 class ApiKeyAuth:

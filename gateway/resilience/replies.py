@@ -24,8 +24,8 @@ import orjson
 from prometheus_client import Counter
 
 from gateway.config import DegradedSection
-from gateway.redislink import RedisLink
-from gateway.sse import fold
+from gateway.resilience.sse import fold
+from gateway.state.link import RedisLink
 from gateway.types import RequestContext
 
 log = logging.getLogger("gateway.replies")

@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 
 from backends.backend import Backend
-from gateway.hashing import ranked
+from gateway.routing.hashing import ranked
 from gateway.types import RequestContext
 
 

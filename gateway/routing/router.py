@@ -1,10 +1,12 @@
 """Which backend takes a request: the session's pin first, else the policy.
 
-Filtering (routable, serves the model, breaker allows, not already tried) happens once
-here, before any policy runs; then the breaker admits the choice and hands out a ticket
-for the outcome. When breakers would leave nothing, the panic rule may offer the
-least-bad backends instead. Pins live in Redis (``PinStore``); when Redis can't answer, sessions are
-spread by rendezvous hashing, which every gateway process computes the same way.
+The pool filters the candidates (routable, serves the model, in the group, breaker
+allows; ``BackendPool.candidates``) once, before any policy runs, and the router drops
+those already tried; then the breaker admits the choice and hands out a ticket for the
+outcome. When breakers would leave nothing, the panic rule may offer the least-bad
+backends instead. Pins live in Redis (``PinStore``); when Redis can't answer, sessions
+are spread by rendezvous hashing, which every gateway process computes the same way.
+The canary arm (``ctx.group``) is chosen before, by ``gateway.canary.arms``.
 """
 
 from __future__ import annotations
@@ -12,26 +14,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from backends.backend import Backend
-from gateway.breaker import Breakers, Ticket
-from gateway.canary import Canary
-from gateway.canary_sync import ArmStore
 from gateway.config import RoutingSection
-from gateway.hashing import rendezvous
 from gateway.metrics import Metrics
-from gateway.pool import BackendPool
-from gateway.store import PinStore
+from gateway.resilience.breaker import Breakers, Ticket
+from gateway.routing.hashing import rendezvous
+from gateway.routing.pins import PinStore
+from gateway.routing.pool import BackendPool
 from gateway.types import Policy, RequestContext
 
 
 class Router:
     def __init__(self, pool: BackendPool, policy: Policy, store: PinStore | None,
                  settings: RoutingSection, metrics: Metrics, breakers: Breakers,
-                 canary: Canary | None = None, pin_policy: Policy | None = None) -> None:
+                 pin_policy: Policy | None = None) -> None:
         self._pool = pool
         self._pin_policy = pin_policy or policy
         self._breakers = breakers
-        self._canary = canary
-        self.arms: ArmStore | None = None  # set once Redis is up
         self.pins_made: dict[str, int] = {}  # sessions this process pinned, per backend
         self._policy = policy
         self.store = store if settings.sticky else None  # set once Redis is up
@@ -68,32 +66,6 @@ class Router:
     def _panic(self, ctx: RequestContext, exclude: Sequence[Backend]) -> list[Backend]:
         return self._breakers.least_bad(
             [b for b in self._pool.ejected(ctx.model, ctx.group) if b not in exclude])
-
-    async def assign_arm(self, ctx: RequestContext) -> None:
-        """Put the request in a canary arm (``ctx.group``): a session keeps the arm it was
-        first given while that arm has weight; other requests are drawn by weight."""
-        canary = self._canary
-        if canary is None or not canary.enabled:
-            return
-        if ctx.session_key is None:
-            drawn = canary.draw()
-        else:
-            drawn = canary.draw_for(f"{ctx.model}:{ctx.session_key}")
-        if not self._pool.known_model(ctx.model, drawn):
-            other = canary.stable if drawn == canary.group else canary.group
-            ctx.group = other if self._pool.known_model(ctx.model, other) else None
-            return
-        ctx.group = drawn
-        if ctx.session_key is None or self.arms is None:
-            return
-        key = f"{ctx.model}:{ctx.session_key}"
-        answered, stored = await self.arms.claim(key, drawn)
-        if not answered or stored is None or stored == drawn:
-            return
-        if canary.weight_of(stored) > 0 and self._pool.known_model(ctx.model, stored):
-            ctx.group = stored
-        else:  # its arm was removed: the session moves, once, and stays
-            await self.arms.move(key, drawn)
 
     async def _pick(self, ctx: RequestContext, candidates: list[Backend]) -> Backend:
         if ctx.session_key is None or self.store is None:

@@ -7,14 +7,14 @@ import time
 from collections import deque
 
 from backends.asgi import Send
-from gateway.asgi import JSON, send_json
 from gateway.config import DegradedSection
 from gateway.errors import NoBackend
-from gateway.headers import STREAM_HEADERS
+from gateway.http.asgi import JSON, send_json
+from gateway.http.headers import STREAM_HEADERS
 from gateway.metrics import Metrics
-from gateway.replies import ReplyCache
-from gateway.sse import CHAT, unfold
-from gateway.sse import static_reply as static_body
+from gateway.resilience.replies import ReplyCache
+from gateway.resilience.sse import CHAT, unfold
+from gateway.resilience.sse import static_reply as static_body
 from gateway.types import RequestContext
 
 log = logging.getLogger("gateway.degraded")

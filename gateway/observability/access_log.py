@@ -1,12 +1,10 @@
-"""Accounting: one record per client request (metrics and one structured log line), and
-one per upstream attempt for its backend group (metrics and the canary's windows)."""
+"""Accounting of client requests: one record per request (metrics and one structured
+access-log line), written when it ends."""
 
 from __future__ import annotations
 
 import logging
 
-from gateway.breaker import Outcome, Ticket
-from gateway.canary import Canary
 from gateway.metrics import Metrics
 from gateway.types import RequestContext
 
@@ -48,31 +46,3 @@ class RequestLog:
             log.info("request", extra={"fields": {
                 "id": request_id, "path": path, "backend": "none", "group": "none",
                 "status": status, "duration_ms": round(duration * 1000, 2)}})
-
-
-class Tally:
-    """Counts every attempt for its backend's group (metrics, and the canary's windows)."""
-
-    def __init__(self, metrics: Metrics, canary: Canary) -> None:
-        self._requests = metrics.group_requests
-        self._ttft = metrics.group_ttft
-        self._canary = canary
-
-    def attempt(self, ticket: Ticket, started: float) -> None:
-        group = ticket.backend.spec.group
-        outcome = ticket.outcome
-        if outcome is Outcome.FAILURE:
-            label = "error"
-        elif outcome is Outcome.SUCCESS:
-            label = "ok"
-        elif 400 <= ticket.status < 500 and ticket.status != 429:
-            label = "client_error"
-        else:
-            label = "other"  # busy, or the client left
-        self._requests.labels(group, label).inc()
-        ttft = None
-        if ticket.first_byte is not None and label == "ok":
-            ttft = ticket.first_byte - started
-            self._ttft.labels(group).observe(ttft)
-        if self._canary.enabled and label != "other":
-            self._canary.observe(group, label == "error", ttft)

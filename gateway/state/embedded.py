@@ -29,7 +29,7 @@ from typing import NoReturn
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.cli import EXIT_CONFIG
+from gateway.errors import EXIT_CONFIG
 
 log = logging.getLogger("gateway.redis")
 

@@ -7,13 +7,13 @@ import contextlib
 import dataclasses
 import logging
 
-from gateway.breaker import Outcome
-from gateway.canary import Canary
-from gateway.headers import upstream_request_headers
+from gateway.canary.rollout import Canary
+from gateway.canary.tally import Tally
+from gateway.http.headers import upstream_request_headers
 from gateway.metrics import Metrics
-from gateway.observe import Tally
-from gateway.pool import BackendPool
-from gateway.router import Router
+from gateway.resilience.breaker import Outcome
+from gateway.routing.pool import BackendPool
+from gateway.routing.router import Router
 from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
 

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from backends.backend import Backend
 from gateway.config import ModelRoute
-from gateway.names import ModelNames
+from gateway.routing.names import ModelNames
 
 
 def _always(backend: Backend) -> bool:

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.canary import Canary, CanaryState
+from gateway.canary.rollout import Canary, CanaryState
 
 Handler = Callable[[Request], Awaitable[Response]]
 Publish = Callable[[CanaryState], Awaitable[object]]

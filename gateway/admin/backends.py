@@ -16,8 +16,8 @@ from starlette.routing import Route
 
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor, drain
-from gateway.breaker import Breakers
-from gateway.pool import BackendPool
+from gateway.resilience.breaker import Breakers
+from gateway.routing.pool import BackendPool
 
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 Handler = Callable[[Request], Awaitable[Response]]

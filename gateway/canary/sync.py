@@ -20,8 +20,8 @@ from typing import Any
 
 import orjson
 
-from gateway.canary import Canary, CanaryState, Window
-from gateway.redislink import RedisLink
+from gateway.canary.rollout import Canary, CanaryState, Window
+from gateway.state.link import RedisLink
 
 log = logging.getLogger("gateway.canary")
 
@@ -129,29 +129,3 @@ class CanarySync:
     def _local(self) -> tuple[Window, Window]:
         w = self._canary.windows
         return w.get(self._canary.stable, Window()), w.get(self._canary.group, Window())
-
-
-class ArmStore:
-    """Which arm a session is in, kept in Redis for ``ttl`` seconds after its last use."""
-
-    def __init__(self, link: RedisLink, ttl: float) -> None:
-        self._link = link
-        self._prefix = link.prefix + "arm:"
-        self._ttl_ms = int(ttl * 1000)
-
-    async def claim(self, key: str, drawn: str) -> tuple[bool, str | None]:
-        """(answered, the session's arm before this call); None means ``drawn`` was stored."""
-        client, full = self._link.client, self._prefix + key
-
-        async def op() -> Any:
-            pipe = client.pipeline(transaction=False)
-            pipe.set(full, drawn, nx=True, get=True, px=self._ttl_ms)
-            pipe.pexpire(full, self._ttl_ms)
-            return await pipe.execute()
-
-        answered, result = await self._link.call(op)
-        return answered, (result[0] if answered else None)
-
-    async def move(self, key: str, arm: str) -> None:
-        client = self._link.client
-        await self._link.call(lambda: client.set(self._prefix + key, arm, px=self._ttl_ms))

@@ -16,8 +16,8 @@ from datetime import UTC, datetime
 
 import pybreaker
 
-from gateway.breaker import OPEN, Breakers
-from gateway.redislink import RedisLink
+from gateway.resilience.breaker import OPEN, Breakers
+from gateway.state.link import RedisLink
 
 log = logging.getLogger("gateway.breaker")
 

@@ -9,12 +9,12 @@ from typing import Any
 
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
-from gateway.breaker import STATE_VALUE, Breakers
-from gateway.canary import Canary
-from gateway.degraded import Degraded
+from gateway.canary.rollout import Canary
 from gateway.metrics import Metrics
-from gateway.pool import BackendPool
-from gateway.router import Router
+from gateway.resilience.breaker import STATE_VALUE, Breakers
+from gateway.resilience.degraded import Degraded
+from gateway.routing.pool import BackendPool
+from gateway.routing.router import Router
 
 STATES = tuple(s.value for s in BackendState)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from gateway.config import RoutingSection
-from gateway.policies.least_loaded import LeastLoaded
-from gateway.policies.prefix import PrefixAware
-from gateway.policies.round_robin import RoundRobin
+from gateway.routing.policies.least_loaded import LeastLoaded
+from gateway.routing.policies.prefix import PrefixAware
+from gateway.routing.policies.round_robin import RoundRobin
 from gateway.types import Policy
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.redislink import RedisLink
+from gateway.state.link import RedisLink
 
 
 class PinStore:

@@ -19,10 +19,10 @@ from typing import Any
 from backends.backend import Backend, BackendState
 from backends.health import HealthChecker
 from backends.supervisor import Supervisor
-from gateway.breaker import Breakers
-from gateway.canary import Canary
+from gateway.canary.rollout import Canary
 from gateway.config import Config
-from gateway.pool import BackendPool
+from gateway.resilience.breaker import Breakers
+from gateway.routing.pool import BackendPool
 
 log = logging.getLogger("gateway.reload")
 
