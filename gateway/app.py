@@ -22,8 +22,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
-from backends.asgi import Receive, Scope, Send
 from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
 from backends.supervisor import Supervisor, start_in_turn

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from backends.asgi import Scope, Send
+from starlette.types import Scope, Send
+
 from gateway.errors import GatewayError
 
 JSON = (b"content-type", b"application/json")

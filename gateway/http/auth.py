@@ -5,7 +5,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
-from backends.asgi import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from gateway.errors import Unauthorized
 from gateway.http.asgi import request_id, send_error
 

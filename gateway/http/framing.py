@@ -9,7 +9,7 @@ reaches such a client all at once, at its end. HTTP/1.1 clients pass straight th
 
 from __future__ import annotations
 
-from backends.asgi import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class Http10Framing:

@@ -6,7 +6,8 @@ import logging
 import time
 from collections import deque
 
-from backends.asgi import Send
+from starlette.types import Send
+
 from gateway.config import DegradedSection
 from gateway.errors import NoBackend
 from gateway.http.asgi import JSON, send_json
