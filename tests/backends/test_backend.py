@@ -1,11 +1,11 @@
 from __future__ import annotations
 
 from backends.backend import Backend, BackendState
-from backends.spec import BackendSpec
+from tests.factories import backend
 
 
 def fresh() -> Backend:
-    return Backend(BackendSpec(name="a", url="http://127.0.0.1:1"))
+    return backend("a")
 
 
 def test_first_probe_decides_a_starting_backend() -> None:

@@ -14,8 +14,8 @@ from helpers import free_port, wait_for
 from backends import family
 from backends.backend import Backend
 from backends.health import ProbeResult
-from backends.spec import BackendSpec
 from backends.supervisor import Supervisor, SupervisorSettings
+from tests import factories
 
 
 async def _probe(_: Backend) -> ProbeResult:
@@ -23,8 +23,7 @@ async def _probe(_: Backend) -> ProbeResult:
 
 
 def supervisor(jitter: float = 0.5, port: int = 9, log_dir: str = "logs") -> Supervisor:
-    backend = Backend(BackendSpec.model_validate(
-        {"name": "s", "spawn": {"model": "m", "port": port}}))
+    backend = factories.backend("s", spawn={"model": "m", "port": port})
     settings = SupervisorSettings(backoff_initial=1.0, backoff_max=8.0, stop_grace=2.0,
                                   log_dir=log_dir)
     return Supervisor(backend, settings, _probe, jitter=lambda: jitter)

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from backends.backend import Backend, BackendState, LoadReport
-from backends.spec import BackendSpec
+from backends.backend import Backend, LoadReport
 from backends.vllm_metrics import Nvml, parse
 from gateway.routing.policies import LeastLoaded
-from gateway.types import RequestContext
+from tests import factories
 
 # As vLLM 0.x writes it: labels, HELP/TYPE lines, histograms beside the gauges.
 PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -31,13 +30,11 @@ def test_the_load_report_is_read_and_summed_over_engines() -> None:
 
 
 def backend(name: str, in_flight: int, load: LoadReport | None) -> Backend:
-    b = Backend(BackendSpec(name=name, url="http://127.0.0.1:1"))
-    b.state, b.in_flight, b.load = BackendState.READY, in_flight, load
-    return b
+    return factories.backend(name, ready=True, in_flight=in_flight, load=load)
 
 
 def test_least_loaded_counts_what_other_clients_put_on_a_backend() -> None:
-    ctx = RequestContext("r", "/v1/chat/completions", "m", False, None, b"", [], {})
+    ctx = factories.ctx()
     busy_elsewhere = backend("a", 0, LoadReport(running=6, waiting=4))
     quiet = backend("b", 1, LoadReport(running=1, waiting=0))
     policy = LeastLoaded()

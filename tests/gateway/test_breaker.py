@@ -8,8 +8,7 @@ import time
 import pybreaker
 import pytest
 
-from backends.backend import Backend, BackendState
-from backends.spec import BackendSpec
+from backends.backend import Backend
 from gateway.config import BreakerSection
 from gateway.metrics import Metrics
 from gateway.resilience.breaker import (
@@ -21,12 +20,11 @@ from gateway.resilience.breaker import (
     MetricsListener,
     Outcome,
 )
+from tests import factories
 
 
 def backend(name: str = "b0") -> Backend:
-    b = Backend(BackendSpec(name=name, url="http://127.0.0.1:1"))
-    b.state, b.models = BackendState.READY, frozenset({"m"})
-    return b
+    return factories.backend(name, ready=True, models={"m"})
 
 
 def breakers(**settings: object) -> Breakers:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, load, parse
+from tests.factories import config, raw_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,16 +57,15 @@ def test_secrets_resolve_from_env_and_never_print(monkeypatch: pytest.MonkeyPatc
 
 
 def test_config_is_frozen() -> None:
-    config = parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
     with pytest.raises(ValueError, match="frozen"):
-        config.gateway.listen = "0.0.0.0:1"  # type: ignore[misc]
+        config().gateway.listen = "0.0.0.0:1"  # type: ignore[misc]
 
 
 def test_defaults_allow_a_ten_minute_prefill() -> None:
-    config = parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
-    assert config.upstream.first_byte_timeout >= 600
-    assert config.upstream.max_connections >= 1000
-    assert config.routing.session_keys == ("header:x-session-id", "body:user")
+    defaults = config()
+    assert defaults.upstream.first_byte_timeout >= 600
+    assert defaults.upstream.max_connections >= 1000
+    assert defaults.routing.session_keys == ("header:x-session-id", "body:user")
 
 
 def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
@@ -117,38 +117,33 @@ def test_workers_and_spawned_backends_do_not_mix() -> None:
 
 
 def test_workers_need_a_shared_redis_for_pins() -> None:
-    assert problems({"gateway": {"workers": 2},
-                     "backends": [{"name": "a", "url": "http://h:1"}]}) == [
+    assert problems(raw_config(gateway={"workers": 2})) == [
         "redis.url: workers > 1 share pins, breakers and cached replies through one Redis: "
         "give a redis:// URL, or turn those off (routing.sticky, breaker.share, "
         "degraded.cache)"]
 
 
 def test_workers_with_embedded_redis_when_nothing_uses_it() -> None:
-    config = parse({"gateway": {"workers": 2}, "routing": {"sticky": False},
-                    "breaker": {"share": False}, "degraded": {"cache": False},
-                    "backends": [{"name": "a", "url": "http://h:1"}]})
-    assert config.gateway.workers == 2 and not config.uses_redis
+    workers = config(gateway={"workers": 2}, routing={"sticky": False},
+                     breaker={"share": False}, degraded={"cache": False})
+    assert workers.gateway.workers == 2 and not workers.uses_redis
 
 
 def test_embedded_redis_data_dir_defaults_beside_the_working_directory() -> None:
-    config = parse({"backends": [{"name": "a", "url": "http://h:1"}]})
-    assert config.redis.data_dir == "data/valkey"
+    assert config().redis.data_dir == "data/valkey"
 
 
 def test_embedded_redis_data_dir_must_name_a_directory() -> None:
-    backends = [{"name": "a", "url": "http://h:1"}]
-    assert problems({"redis": {"data_dir": ""}, "backends": backends}) == [
+    assert problems(raw_config(redis={"data_dir": ""})) == [
         "redis.data_dir: String should have at least 1 character"]
-    assert problems({"redis": {"data_dir": "  "}, "backends": backends}) == [
+    assert problems(raw_config(redis={"data_dir": "  "})) == [
         "redis.data_dir: must name a directory"]
-    assert problems({"redis": {"data_dir": "a\0b"}, "backends": backends}) == [
+    assert problems(raw_config(redis={"data_dir": "a\0b"})) == [
         "redis.data_dir: must not contain a NUL character"]
 
 
 def test_a_per_backend_cap_the_chosen_client_cannot_keep_is_refused() -> None:
-    raw = {"upstream": {"client": "httpx", "max_connections_per_backend": 2},
-           "backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
+    raw = raw_config(upstream={"client": "httpx", "max_connections_per_backend": 2})
     assert any(p.startswith("upstream.max_connections_per_backend: the httpx client")
                for p in problems(raw))
     raw["upstream"] = {"client": "aiohttp", "max_connections_per_backend": 2}

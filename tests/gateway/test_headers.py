@@ -1,13 +1,12 @@
 from __future__ import annotations
 
 from backends.backend import Backend
-from backends.spec import BackendSpec
 from gateway.http.headers import client_response_headers, filter_headers, upstream_request_headers
+from tests import factories
 
 
 def backend(api_key: str | None = None) -> Backend:
-    return Backend(BackendSpec(name="b1", url="http://127.0.0.1:1", group="canary",
-                               api_key=api_key))
+    return factories.backend("b1", group="canary", api_key=api_key)
 
 
 def test_connection_named_and_hop_by_hop_headers_are_dropped() -> None:

@@ -1,21 +1,16 @@
 from __future__ import annotations
 
 from backends.backend import Backend
-from backends.spec import BackendSpec
 from gateway.config import RoutingSection
 from gateway.routing.policies import make_policy
-from gateway.types import RequestContext
+from tests.factories import backend, ctx
 
-CTX = RequestContext("r", "/v1/completions", "m", False, None, b"{}", [])
+CTX = ctx(path="/v1/completions", body=b"{}")
 
 
 def backends(*loads: int) -> list[Backend]:
-    out = []
-    for i, load in enumerate(loads):
-        b = Backend(BackendSpec(name=f"b{i}", url=f"http://127.0.0.1:{i + 1}"))
-        b.in_flight = load
-        out.append(b)
-    return out
+    return [backend(f"b{i}", f"http://127.0.0.1:{i + 1}", in_flight=load)
+            for i, load in enumerate(loads)]
 
 
 def test_fewest_in_flight_wins() -> None:

@@ -1,25 +1,20 @@
 from __future__ import annotations
 
-from backends.backend import Backend
-from backends.spec import BackendSpec
 from gateway.routing.hashing import rendezvous
 from gateway.routing.policies import PrefixAware, RoundRobin
 from gateway.routing.policies.prefix import prompt_head
 from gateway.types import RequestContext
+from tests.factories import backends as pool
+from tests.factories import ctx
 
 
-def pool(n: int) -> list[Backend]:
-    return [Backend(BackendSpec(name=f"b{i}", url=f"http://127.0.0.1:{i + 1}")) for i in range(n)]
-
-
-def ctx(system: str, user: str) -> RequestContext:
-    payload = {"messages": [{"role": "system", "content": system},
-                            {"role": "user", "content": user}]}
-    return RequestContext("r", "/v1/chat/completions", "m", False, None, b"", [], payload)
+def chat(system: str, user: str) -> RequestContext:
+    return ctx(payload={"messages": [{"role": "system", "content": system},
+                                     {"role": "user", "content": user}]})
 
 
 def test_prompt_head_reads_messages_then_prompt() -> None:
-    assert prompt_head(ctx("abc", "def").payload, 5) == b"abc\nd"
+    assert prompt_head(chat("abc", "def").payload, 5) == b"abc\nd"
     assert prompt_head({"prompt": ["xyz", "q"]}, 2) == b"xy"
 
 
@@ -27,19 +22,19 @@ def test_same_prefix_same_backend_until_it_is_overloaded() -> None:
     backends = pool(4)
     policy = PrefixAware(chars=64, load_factor=1.25)
     system = "You are a helpful assistant. " * 4
-    picks = {policy.choose(backends, ctx(system, f"question {i}")) for i in range(10)}
+    picks = {policy.choose(backends, chat(system, f"question {i}")) for i in range(10)}
     assert len(picks) == 1
     (home,) = picks
     assert home is not None
     home.in_flight = 10  # far above the bounded-load cap for 4 backends
-    moved = policy.choose(backends, ctx(system, "one more"))
+    moved = policy.choose(backends, chat(system, "one more"))
     assert moved in backends and moved is not home
 
 
 def test_different_prefixes_spread() -> None:
     backends = pool(4)
     policy = PrefixAware(chars=64, load_factor=1.25)
-    picks = {policy.choose(backends, ctx(f"system prompt number {i}", "q")) for i in range(40)}
+    picks = {policy.choose(backends, chat(f"system prompt number {i}", "q")) for i in range(40)}
     assert len(picks) >= 3
 
 
@@ -56,5 +51,5 @@ def test_round_robin_ignores_load() -> None:
     backends = pool(3)
     backends[0].in_flight = 100
     policy = RoundRobin()
-    names = [policy.choose(backends, ctx("s", "u")).name for _ in range(6)]  # type: ignore[union-attr]
+    names = [policy.choose(backends, chat("s", "u")).name for _ in range(6)]  # type: ignore[union-attr]
     assert sorted(names) == ["b0", "b0", "b1", "b1", "b2", "b2"]

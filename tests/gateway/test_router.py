@@ -11,8 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from helpers import RedisServer
 
-from backends.backend import Backend, BackendState
-from backends.spec import BackendSpec
+from backends.backend import Backend
 from gateway.config import BreakerSection, RoutingSection
 from gateway.metrics import Metrics
 from gateway.resilience.breaker import Breakers
@@ -22,6 +21,7 @@ from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
 from gateway.state.link import RedisLink
 from gateway.types import RequestContext
+from tests import factories
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +32,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 def backends(n: int) -> list[Backend]:
-    out = []
-    for i in range(n):
-        b = Backend(BackendSpec(name=f"b{i}", url=f"http://127.0.0.1:{i + 1}"))
-        b.state, b.models = BackendState.READY, frozenset({"m"})
-        out.append(b)
-    return out
+    return factories.backends(n, ready=True, models={"m"})
 
 
 def ctx(session: str) -> RequestContext:
-    return RequestContext("r", "/v1/chat/completions", "m", False, session, b"", [], {})
+    return factories.ctx(session_key=session)
 
 
 def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
@@ -105,7 +100,7 @@ def test_a_flushed_redis_just_means_new_pins(server: RedisServer) -> None:
 
 def test_requests_without_a_session_never_touch_redis(server: RedisServer) -> None:
     async def steps(router: Router, client: aioredis.Redis) -> list[str]:
-        plain = RequestContext("r", "/v1/completions", "m", False, None, b"", [], {})
+        plain = factories.ctx(path="/v1/completions")
         picks = [await pick(router, plain) for _ in range(4)]
         assert await client.dbsize() == 0
         return [b.name for b in picks if b is not None]
