@@ -236,21 +236,24 @@ class GatewayApp:
     def _supervisor(self, backend: Backend) -> Supervisor:
         return Supervisor(backend, self.config.supervisor, self._probe)
 
-    async def reload(self, who: str) -> tuple[bool, dict[str, Any]]:
-        """Read the config file again and apply what can change while running."""
+    async def reload(self, who: str) -> dict[str, Any]:
+        """Read the config file again and apply what can change while running.
+
+        Raises NoConfigPath or ReloadRefused (AdminErrors); the running config stays."""
+        from gateway.errors import NoConfigPath, ReloadRefused
+
         if self.config_path is None:
-            return False, {"error": {"message": "the config path is unknown", "code": "no_path"}}
+            raise NoConfigPath("the config path is unknown")
         try:
             new = await asyncio.to_thread(load, self.config_path)
         except ConfigError as exc:
             log.error("config reload by %s refused, the running config stays:\n%s", who,
                       "\n".join(exc.problems))
-            return False, {"error": {"message": "invalid config; the running config stays",
-                                     "type": "invalid_config", "code": "invalid_config",
-                                     "problems": exc.problems}}
+            raise ReloadRefused("invalid config; the running config stays",
+                                exc.problems) from None
         summary = await apply(self.reloadable, self.config, new, who)
         self.config = new
-        return True, {"reloaded": True, **summary}
+        return {"reloaded": True, **summary}
 
     async def _models(self, request: Request) -> Response:
         data = [

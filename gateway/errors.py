@@ -7,8 +7,8 @@ import orjson
 EXIT_CONFIG = 2  # the exit code of a config problem (bad file, unusable data dir)
 
 
-def error_body(message: str, kind: str, code: str | int | None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+def error_body(message: str, kind: str, code: str | int | None, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
 def sse_error_event(message: str, kind: str, code: str | int | None) -> bytes:
@@ -23,12 +23,13 @@ class GatewayError(Exception):
     kind = "server_error"
     code = "internal_error"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, where there is one
 
     def body(self) -> bytes:
-        return error_body(self.message, self.kind, self.code)
+        return error_body(self.message, self.kind, self.code, self.param)
 
 
 class BadRequest(GatewayError):
@@ -77,6 +78,57 @@ class UpstreamTimeout(GatewayError):
     status = 504
     kind = "timeout"
     code = "upstream_timeout"
+
+
+class AdminError(GatewayError):
+    """An operator's request to /admin refused; nothing was changed."""
+
+    status = 400
+    kind = "admin_error"
+    code = "invalid_request"
+
+
+class AdminUnauthorized(AdminError):
+    status = 401
+    code = "invalid_admin_key"
+
+
+class BackendNotFound(AdminError):
+    status = 404
+    code = "backend_not_found"
+
+
+class NotSpawned(AdminError):
+    code = "not_spawned"
+
+
+class UnknownAction(AdminError):
+    status = 404
+    code = "not_found"
+
+
+class NoCanary(AdminError):
+    status = 409
+    code = "no_canary"
+
+
+class NoConfigPath(AdminError):
+    code = "no_path"
+
+
+class ReloadRefused(AdminError):
+    """The config file could not be used; the running config stays."""
+
+    kind = "invalid_config"
+    code = "invalid_config"
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems  # ``dotted.key: message`` lines, as at start-up
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.kind, "param": None,
+                                       "code": self.code, "problems": self.problems}})
 
 
 class StreamAborted(Exception):

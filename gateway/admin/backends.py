@@ -16,16 +16,13 @@ from starlette.routing import Route
 
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor, drain
+from gateway.admin.body import read_body
+from gateway.errors import AdminUnauthorized, BackendNotFound, GatewayError, NotSpawned
 from gateway.resilience.breaker import Breakers
 from gateway.routing.pool import BackendPool
 
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "admin_error", "param": None,
-                                   "code": code}}, status_code=status)
 
 
 class Admin:
@@ -48,11 +45,17 @@ class Admin:
         ]
 
     def guard(self, handler: Handler) -> Handler:
+        """Check the admin key, and answer an AdminError the handler raises in the OpenAI
+        error format."""
+
         async def guarded(request: Request) -> Response:
-            if not self._allowed(request):
-                return _error(401, "admin key required (Authorization: Bearer <admin key>)",
-                              "invalid_admin_key")
-            return await handler(request)
+            try:
+                if not self._allowed(request):
+                    raise AdminUnauthorized(
+                        "admin key required (Authorization: Bearer <admin key>)")
+                return await handler(request)
+            except GatewayError as exc:
+                return Response(exc.body(), exc.status, media_type="application/json")
 
         return guarded
 
@@ -63,9 +66,18 @@ class Admin:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                                   self._key)
 
-    def _backend(self, request: Request) -> Backend | None:
+    def _backend(self, request: Request) -> Backend:
         name = request.path_params["name"]
-        return next((b for b in self._pool.backends if b.name == name), None)
+        backend = next((b for b in self._pool.backends if b.name == name), None)
+        if backend is None:
+            raise BackendNotFound("no such backend")
+        return backend
+
+    def _supervisor(self, backend: Backend) -> Supervisor:
+        supervisor = self._supervisors.get(backend.name)
+        if supervisor is None:
+            raise NotSpawned(f"backend {backend.name} is not spawned by the gateway")
+        return supervisor
 
     async def status(self, request: Request) -> Response:
         now = time.monotonic()
@@ -84,17 +96,10 @@ class Admin:
 
     async def drain(self, request: Request) -> Response:
         backend = self._backend(request)
-        if backend is None:
-            return _error(404, "no such backend", "backend_not_found")
-        body = await request.json() if await request.body() else {}
+        body = await read_body(request, "then", "timeout")
         then = body.get("then", "none")
         timeout = float(body.get("timeout", self._drain_timeout))
-        if then not in ("none", "restart", "stop"):
-            return _error(400, "'then' must be none, restart or stop", "invalid_request")
-        supervisor = self._supervisors.get(backend.name)
-        if then != "none" and supervisor is None:
-            return _error(400, f"backend {backend.name} is not spawned by the gateway",
-                          "not_spawned")
+        supervisor = self._supervisor(backend) if then != "none" else None
         drained = await drain(backend, timeout)
         if supervisor is not None and then == "restart":
             await supervisor.restart()
@@ -111,7 +116,8 @@ class Admin:
 
     async def start(self, request: Request) -> Response:
         backend = self._backend(request)
-        if backend is not None and backend.name not in self._supervisors:
+        await read_body(request)
+        if backend.name not in self._supervisors:
             # An external backend: back into rotation once health probes agree.
             backend.state = BackendState.STARTING
             return JSONResponse({"backend": backend.name, "state": backend.state.value})
@@ -124,17 +130,13 @@ class Admin:
     async def _act(self, request: Request,
                    action: Callable[[Supervisor], Awaitable[None]]) -> Response:
         backend = self._backend(request)
-        if backend is None:
-            return _error(404, "no such backend", "backend_not_found")
-        supervisor = self._supervisors.get(backend.name)
-        if supervisor is None:
-            return _error(400, f"backend {backend.name} is not spawned by the gateway",
-                          "not_spawned")
-        await action(supervisor)
+        await read_body(request)
+        await action(self._supervisor(backend))
         return JSONResponse({"backend": backend.name, "state": backend.state.value})
 
     async def rolling_restart(self, request: Request) -> Response:
         """Drain and restart each spawned backend in turn, waiting until it is ready."""
+        await read_body(request)
         results = []
         for name, supervisor in self._supervisors.items():
             drained = await supervisor.drain_and_restart()

@@ -21,6 +21,7 @@ from backends.health import HealthChecker
 from backends.supervisor import Supervisor
 from gateway.canary.rollout import Canary
 from gateway.config import Config
+from gateway.errors import GatewayError
 from gateway.resilience.breaker import Breakers
 from gateway.routing.pool import BackendPool
 
@@ -103,8 +104,17 @@ def background(parts: Reloadable, coro: Coroutine[Any, Any, object]) -> asyncio.
     """Run ``coro`` as a task the app cancels at shutdown."""
     task = asyncio.ensure_future(coro)
     parts.background.add(task)
-    task.add_done_callback(parts.background.discard)
+    task.add_done_callback(lambda done: _finished(parts, done))
     return task
+
+
+def _finished(parts: Reloadable, task: asyncio.Future[object]) -> None:
+    parts.background.discard(task)
+    exc = None if task.cancelled() else task.exception()
+    if isinstance(exc, GatewayError):  # a refused reload on SIGHUP: said when refused
+        log.warning("%s", exc.message)
+    elif exc is not None:
+        log.error("a background job failed", exc_info=exc)
 
 
 def _canary(canary: Canary, old: Config, new: Config, who: str) -> None:
