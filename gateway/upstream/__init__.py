@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from gateway.config import UpstreamSection
-from gateway.upstream.base import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+from gateway.upstream.base import (
+    ConnectFailed,
+    Upstream,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamResponse,
+)
 
 
 def make_upstream(settings: UpstreamSection) -> Upstream:
@@ -17,4 +23,11 @@ def make_upstream(settings: UpstreamSection) -> Upstream:
     return AiohttpUpstream(settings)
 
 
-__all__ = ["ConnectFailed", "Upstream", "UpstreamBroken", "UpstreamResponse", "make_upstream"]
+__all__ = [
+    "ConnectFailed",
+    "Upstream",
+    "UpstreamBroken",
+    "UpstreamError",
+    "UpstreamResponse",
+    "make_upstream",
+]

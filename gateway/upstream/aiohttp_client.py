@@ -6,7 +6,20 @@ import aiohttp
 from yarl import URL
 
 from gateway.config import UpstreamSection
-from gateway.upstream.base import ConnectFailed, Headers, UpstreamBroken
+from gateway.upstream.base import ConnectFailed, ErrorTable, Headers, UpstreamBroken
+
+# Sending: a connector error or a connect timeout (sock_read is unset, so the only
+# ServerTimeoutError) reached no backend; anything else broke after it did.
+SENDING = ErrorTable(
+    (aiohttp.ClientConnectorError, ConnectFailed),
+    (aiohttp.ServerTimeoutError, ConnectFailed),
+    (aiohttp.ClientError, UpstreamBroken),
+)
+# Reading the body: the headers came, so every failure is a broken reply.
+READING = ErrorTable(
+    (aiohttp.ClientPayloadError, UpstreamBroken),
+    (aiohttp.ClientConnectionError, UpstreamBroken),
+)
 
 
 class AiohttpResponse:
@@ -21,8 +34,8 @@ class AiohttpResponse:
     async def read(self) -> bytes:
         try:
             return await self._content.readany()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+        except READING.caught as exc:
+            raise READING.translate(exc) from exc
 
     async def aclose(self, reuse: bool) -> None:
         if reuse:
@@ -69,12 +82,8 @@ class AiohttpUpstream:
             if parsed is None:
                 parsed = self._urls[url] = URL(url)
             resp = await self._client().request(method, parsed, headers=hdrs, data=body)
-        except aiohttp.ClientConnectorError as exc:
-            raise ConnectFailed(str(exc)) from exc
-        except aiohttp.ServerTimeoutError as exc:
-            raise ConnectFailed(f"connect timeout: {exc}") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+        except SENDING.caught as exc:
+            raise SENDING.translate(exc) from exc
         return AiohttpResponse(resp)
 
     async def aclose(self) -> None:

@@ -7,12 +7,36 @@ from typing import Protocol
 Headers = list[tuple[bytes, bytes]]
 
 
-class ConnectFailed(Exception):
+class UpstreamError(Exception):
+    """The HTTP client failed; the library's own exception is the ``__cause__``."""
+
+
+class ConnectFailed(UpstreamError):
     """No connection could be made: nothing reached the backend, so another may be tried."""
 
 
-class UpstreamBroken(Exception):
+class UpstreamBroken(UpstreamError):
     """The backend dropped the connection or sent something unreadable."""
+
+
+class ErrorTable:
+    """A client library's exceptions and the UpstreamError each becomes, the most specific
+    first (httpcore's ``map_exceptions``). Translated only in an ``except`` clause, so the
+    per-chunk read costs nothing until something fails:
+
+        except table.caught as exc:
+            raise table.translate(exc) from exc
+    """
+
+    __slots__ = ("caught", "rows")
+
+    def __init__(self, *rows: tuple[type[Exception], type[UpstreamError]]) -> None:
+        self.rows = rows
+        self.caught = tuple(library for library, _ in rows)
+
+    def translate(self, exc: Exception) -> UpstreamError:
+        ours = next((o for library, o in self.rows if isinstance(exc, library)), UpstreamBroken)
+        return ours(str(exc) or type(exc).__name__)
 
 
 class UpstreamResponse(Protocol):

@@ -7,7 +7,14 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 import httpx
 
 from gateway.config import UpstreamSection
-from gateway.upstream.base import ConnectFailed, Headers, UpstreamBroken
+from gateway.upstream.base import ConnectFailed, ErrorTable, Headers, UpstreamBroken
+
+SENDING = ErrorTable(
+    (httpx.ConnectError, ConnectFailed),
+    (httpx.ConnectTimeout, ConnectFailed),
+    (httpx.TransportError, UpstreamBroken),
+)
+READING = ErrorTable((httpx.TransportError, UpstreamBroken))
 
 
 class HttpxResponse:
@@ -22,8 +29,8 @@ class HttpxResponse:
     async def read(self) -> bytes:
         try:
             return await anext(self._chunks, b"")
-        except httpx.TransportError as exc:
-            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+        except READING.caught as exc:
+            raise READING.translate(exc) from exc
 
     async def aclose(self, reuse: bool) -> None:
         # httpx closes the connection itself when the body was not read to the end.
@@ -50,10 +57,8 @@ class HttpxUpstream:
         req = self._client.build_request(method, url, headers=headers, content=body)
         try:
             resp = await self._client.send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise ConnectFailed(str(exc)) from exc
-        except httpx.TransportError as exc:
-            raise UpstreamBroken(str(exc) or type(exc).__name__) from exc
+        except SENDING.caught as exc:
+            raise SENDING.translate(exc) from exc
         return HttpxResponse(resp)
 
     async def aclose(self) -> None:
