@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_for
 
 from backends import family
+from tests.helpers import free_port, wait_for
 
 
 def test_output_is_rotated_and_exit_status_kept(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Sim
+
+from tests.helpers import Sim
 
 CHAT = "/v1/chat/completions"
 

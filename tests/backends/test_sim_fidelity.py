@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fixtures.vllm_wire import (
+
+from tests.fixtures.vllm_wire import (
     EXCHANGES,
     MAX_MODEL_LEN,
     MODEL,
@@ -21,7 +22,7 @@ from fixtures.vllm_wire import (
     UNCOMPARED_KEYS,
     replay,
 )
-from helpers import Sim
+from tests.helpers import Sim
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_0.32_replies.json"
 RECORDED: dict[str, Any] = json.loads(FIXTURE.read_text())

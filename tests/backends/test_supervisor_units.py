@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import free_port, wait_for
 
 from backends import family
 from backends.backend import Backend
 from backends.health import ProbeResult
 from backends.supervisor import Supervisor, SupervisorSettings
 from tests import factories
+from tests.helpers import free_port, wait_for
 
 
 async def _probe(_: Backend) -> ProbeResult:

@@ -4,7 +4,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import Gateway, RedisServer, Sim, backend_toml, free_port, http_ok, wait_for
+
+from tests.helpers import Gateway, RedisServer, Sim, backend_toml, free_port, http_ok, wait_for
 
 
 @pytest.fixture(scope="module")

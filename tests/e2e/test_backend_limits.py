@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Gateway, Sim, backend_toml, free_port, http_ok, metric, wait_for
+
+from tests.helpers import Gateway, Sim, backend_toml, free_port, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, RawBackend, Sim, backend_toml, http_ok, metric, wait_for
+
+from tests.helpers import Gateway, RawBackend, Sim, backend_toml, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY: dict[str, Any] = {"model": "sim-model", "max_tokens": 2,

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import Gateway, Load, RedisServer, Sim, http_ok, metric, wait_for
+
+from tests.helpers import Gateway, Load, RedisServer, Sim, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY: dict[str, Any] = {"model": "llama", "max_tokens": 2,

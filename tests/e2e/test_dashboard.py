@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Gateway, Sim, http_ok, wait_for
+
+from tests.helpers import Gateway, Sim, http_ok, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed "

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
+
+from tests.helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 import httpx
-from helpers import Gateway, Sim
+
+from tests.helpers import Gateway, Sim
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "other-model", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}

@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import Gateway, Sim, backend_toml, http_ok, wait_for
+
+from tests.helpers import Gateway, Sim, backend_toml, http_ok, wait_for
 
 CHAT = "/v1/chat/completions"
 KEY = "gw-key-1"

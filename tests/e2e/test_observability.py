@@ -11,8 +11,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY: dict[str, Any] = {"model": "sim-model", "max_tokens": 4,

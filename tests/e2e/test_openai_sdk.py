@@ -6,7 +6,8 @@ import asyncio
 
 import openai
 import pytest
-from helpers import Gateway, Sim
+
+from tests.helpers import Gateway, Sim
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Gateway, RawBackend, backend_toml, http_ok, wait_for
+
+from tests.helpers import Gateway, RawBackend, backend_toml, http_ok, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}

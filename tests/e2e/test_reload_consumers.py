@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
+
+from tests.helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 import openai
-from helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, wait_for
+
+from tests.helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, wait_for
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "what is shared?"}]

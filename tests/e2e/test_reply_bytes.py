@@ -19,7 +19,8 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
-from helpers import Gateway, backend_toml, http_ok, wait_for
+
+from tests.helpers import Gateway, backend_toml, http_ok, wait_for
 
 SERVED = {"served-name", "s"}
 ALIASES = {"ll": "served-name", "a-much-longer-client-name": "s"}

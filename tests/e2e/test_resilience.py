@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, metric, wait_for
+
+from tests.helpers import Gateway, RedisServer, Sim, backend_toml, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hello there"}]

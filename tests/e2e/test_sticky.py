@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Gateway, Load, RedisServer, Sim, backend_toml, http_ok, wait_for
+
+from tests.helpers import Gateway, Load, RedisServer, Sim, backend_toml, http_ok, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}

@@ -6,7 +6,8 @@ import json
 import socket
 
 import httpx
-from helpers import Gateway, Sim, wait_for
+
+from tests.helpers import Gateway, Sim, wait_for
 
 CHAT = "/v1/chat/completions"
 

@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from helpers import Gateway, Load, Sim, free_port, wait_for
 
 from backends import family
+from tests.helpers import Gateway, Load, Sim, free_port, wait_for
 
 SIM = '["{python}", "-m", "gateway", "sim", "--port", "{port}", "--model", "{served_model_name}"]'
 # A command that leaves a grandchild behind, to prove process groups are cleaned up.

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
+
+from tests.helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

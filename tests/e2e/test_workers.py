@@ -8,7 +8,8 @@ from pathlib import Path
 
 import httpx
 import openai
-from helpers import Gateway, Sim, backend_toml, http_ok, wait_for
+
+from tests.helpers import Gateway, Sim, backend_toml, http_ok, wait_for
 
 
 def _alive(pid: int) -> bool:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from helpers import RedisServer
 
 from gateway.metrics import Metrics
 from gateway.routing.pins import PinStore
 from gateway.state.link import RedisLink
+from tests.helpers import RedisServer
 
 
 @pytest.fixture

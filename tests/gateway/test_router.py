@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from helpers import RedisServer
 
 from backends.backend import Backend
 from gateway.config import BreakerSection, RoutingSection
@@ -22,6 +21,7 @@ from gateway.routing.router import Router
 from gateway.state.link import RedisLink
 from gateway.types import RequestContext
 from tests import factories
+from tests.helpers import RedisServer
 
 
 @pytest.fixture(scope="module")

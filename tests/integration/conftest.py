@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from helpers import Gateway, wait_for
-from integration.vllm_setup import MODEL, PYTHON, STARTUP, status, vllm_backend
+
+from tests.helpers import Gateway, wait_for
+from tests.integration.vllm_setup import MODEL, PYTHON, STARTUP, status, vllm_backend
 
 
 @pytest.fixture(scope="package")

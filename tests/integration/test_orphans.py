@@ -17,10 +17,10 @@ from typing import Any
 
 import openai
 import pytest
-from helpers import Gateway, wait_for
-from integration.vllm_setup import MODEL, PYTHON, STARTUP, status, vllm_backend
 
 from backends import family
+from tests.helpers import Gateway, wait_for
+from tests.integration.vllm_setup import MODEL, PYTHON, STARTUP, status, vllm_backend
 
 pytestmark = pytest.mark.timeout(2 * STARTUP + 300)
 GRACE = 20.0  # the default stop_grace

@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import Gateway, Load, wait_for
-from integration.vllm_setup import STARTUP, status
+
+from tests.helpers import Gateway, Load, wait_for
+from tests.integration.vllm_setup import STARTUP, status
 
 # A vLLM start takes about a minute here, more under load: far beyond the suite's default.
 pytestmark = pytest.mark.timeout(STARTUP + 300)

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import Gateway, backend_toml, http_ok, wait_for
-from integration.vllm_setup import STARTUP, status
+
+from tests.helpers import Gateway, backend_toml, http_ok, wait_for
+from tests.integration.vllm_setup import STARTUP, status
 
 pytestmark = pytest.mark.timeout(STARTUP + 300)
 

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from helpers import Gateway, free_port
+
+from tests.helpers import Gateway, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-vllm" / "bin" / "python"
