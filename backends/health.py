@@ -40,21 +40,33 @@ Probe = Callable[[Backend], Awaitable[ProbeResult]]
 class HttpProbe:
     """``GET /health``, then ``GET /v1/models`` to learn what the backend serves."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout: float) -> None:
-        self._session = session
+    def __init__(self, timeout: float) -> None:
+        self._session_: aiohttp.ClientSession | None = None  # opened on first use, in a loop
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The probes' HTTP session (shared with the load scraper)."""
+        if self._session_ is None:
+            self._session_ = aiohttp.ClientSession()
+        return self._session_
+
+    async def aclose(self) -> None:
+        if self._session_ is not None:
+            await self._session_.close()
+            self._session_ = None
 
     async def __call__(self, backend: Backend) -> ProbeResult:
         headers = {}
         if backend.spec.api_key is not None:
             headers["Authorization"] = f"Bearer {backend.spec.api_key.get_secret_value()}"
         try:
-            async with self._session.get(
+            async with self.session.get(
                 backend.url + "/health", headers=headers, timeout=self._timeout
             ) as resp:
                 if resp.status != 200:
                     return ProbeResult(ok=False)
-            async with self._session.get(
+            async with self.session.get(
                 backend.url + "/v1/models", headers=headers, timeout=self._timeout
             ) as resp:
                 if resp.status != 200:

@@ -17,7 +17,7 @@ FLOORS: list[set[str]] = [
     {"canary"},
     {"observability"},
     {"admin"},
-    {"app", "cli", "proxy", "__main__", "__init__"},  # the front door
+    {"app", "build", "cli", "proxy", "__main__", "__init__"},  # the front door
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 SUBPACKAGES = {"http", "state", "upstream", "resilience", "routing", "canary", "observability",

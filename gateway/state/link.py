@@ -70,7 +70,7 @@ async def bounded(awaitable: Awaitable[Any], within: float) -> Any:
 class RedisLink:
     def __init__(self, client: aioredis.Redis, prefix: str, retry_interval: float,
                  metrics: Metrics, clock: Callable[[], float] = time.monotonic,
-                 timeout: float = 0.1, batches: int = 4) -> None:
+                 timeout: float = 0.1, batches: int = 4, opened: bool = True) -> None:
         self.client = client
         self.prefix = prefix
         self._retry_interval = retry_interval
@@ -79,15 +79,21 @@ class RedisLink:
         self._timeout = timeout
         self._batches = batches
         self._down_until = 0.0
-        self.up = True
+        self._opened = opened  # built before its server is up: unavailable until open()
+        self.up = opened
         self._queue: list[_Queued] = []
         self._flush_due = False
         self._in_flight: set[asyncio.Task[None]] = set()
-        metrics.redis_up.set(1)
+        metrics.redis_up.set(1 if opened else 0)
+
+    def open(self) -> None:
+        """The server is up: calls go through from now on."""
+        self._opened = self.up = True
+        self._metrics.redis_up.set(1)
 
     @property
     def available(self) -> bool:
-        return self.up or self._clock() >= self._down_until
+        return self._opened and (self.up or self._clock() >= self._down_until)
 
     async def execute(self, *commands: Command) -> tuple[bool, list[Any]]:
         """Run ``commands`` (argument tuples such as ``("GET", key)``, optionally ending in

@@ -1,0 +1,129 @@
+"""The composition root: every part of a gateway, built whole from its config.
+
+Nothing here does I/O or needs a running loop: the Redis link is built before its server is
+up and answers "unavailable" until the lifespan opens it; the probes' HTTP session opens on
+first use. The app (``gateway.app``) only starts and stops what is built here, and routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from backends.backend import Backend
+from backends.health import HealthChecker, HttpProbe
+from backends.supervisor import Supervisor
+from gateway.admin.backends import Admin
+from gateway.admin.reload import Reloadable
+from gateway.canary.arms import Arms, ArmStore
+from gateway.canary.rollout import Canary
+from gateway.canary.sync import CanarySync
+from gateway.config import Config
+from gateway.metrics import Metrics
+from gateway.observability.status import Status
+from gateway.proxy import Proxy
+from gateway.resilience.breaker import Breakers, MetricsListener
+from gateway.resilience.breaker_sync import BreakerSync
+from gateway.resilience.degraded import Degraded
+from gateway.resilience.replies import ReplyCache
+from gateway.routing.names import ModelNames
+from gateway.routing.pins import PinStore
+from gateway.routing.policies import make_policy
+from gateway.routing.pool import BackendPool
+from gateway.routing.router import Router
+from gateway.state.embedded import EmbeddedValkey
+from gateway.state.link import RedisLink
+from gateway.upstream import Upstream, make_upstream
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """What a gateway keeps in Redis, and the link (and embedded server) it goes through."""
+
+    link: RedisLink
+    embedded: EmbeddedValkey | None
+    breaker_sync: BreakerSync | None
+    canary_sync: CanarySync
+
+
+@dataclass(frozen=True)
+class Parts:
+    metrics: Metrics
+    breakers: Breakers
+    pool: BackendPool
+    upstream: Upstream
+    canary: Canary
+    router: Router
+    replies: ReplyCache
+    degraded: Degraded
+    proxy: Proxy
+    probe: HttpProbe
+    checker: HealthChecker
+    supervisors: dict[str, Supervisor]
+    admin: Admin
+    status: Status
+    reloadable: Reloadable
+    shared: SharedState | None = field(default=None)
+
+
+def shared_state(config: Config, metrics: Metrics, breakers: Breakers,
+                 canary: Canary) -> SharedState:
+    settings = config.redis
+    embedded = None
+    url = settings.url
+    if url == "embedded":
+        embedded = EmbeddedValkey(settings.embedded_log, settings.data_dir)
+        url = embedded.url
+    client = aioredis.from_url(
+        # The link bounds every call (connecting included) by redis.timeout itself,
+        # forgiving loop lag; socket timeouts of redis-py's own would count that lag.
+        url, socket_timeout=None, socket_connect_timeout=None,
+        retry=Retry(NoBackoff(), 0), decode_responses=True)
+    link = RedisLink(client, settings.key_prefix, settings.retry_interval, metrics,
+                     timeout=settings.timeout, opened=False)
+    share = config.breaker.enabled and config.breaker.share
+    breaker_sync = (BreakerSync(link, breakers, config.breaker.reset_timeout,
+                                config.breaker.sync_interval) if share else None)
+    return SharedState(link, embedded, breaker_sync, CanarySync(link, canary))
+
+
+def build(config: Config) -> Parts:
+    """Every part, whole, from ``config``."""
+    metrics = Metrics()
+    breakers = Breakers(config.breaker, [spec.name for spec in config.backends],
+                        [MetricsListener(metrics)])
+    pool = BackendPool([Backend(spec) for spec in config.backends], breakers.allows,
+                       ModelNames(config.models))
+    canary = Canary(config.canary, metrics)
+    shared = shared_state(config, metrics, breakers, canary) if config.uses_redis else None
+    link = shared.link if shared is not None else None
+    ttl = config.routing.session_ttl
+    router = Router(pool, make_policy(config.routing),
+                    PinStore(link, ttl) if link is not None and config.routing.sticky else None,
+                    config.routing, metrics, breakers,
+                    make_policy(config.routing, config.routing.pin_policy))
+    # Arms are stored whenever Redis is: a reload may turn the canary on.
+    arms = Arms(pool, canary, ArmStore(link, ttl) if link is not None else None)
+    replies = ReplyCache(config.degraded, link if config.degraded.cache else None,
+                         dropped=metrics.reply_cache_dropped)
+    degraded = Degraded(config.degraded, replies, metrics)
+    upstream = make_upstream(config.upstream)
+    proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms)
+    probe = HttpProbe(config.health.timeout)
+    checker = HealthChecker(pool.backends, config.health, probe)
+
+    def supervise(backend: Backend) -> Supervisor:
+        return Supervisor(backend, config.supervisor, probe)
+
+    supervisors = {b.name: supervise(b) for b in pool.backends if b.managed}
+    admin_key = config.gateway.admin_key
+    admin = Admin(pool, supervisors, breakers,
+                  admin_key.get_secret_value() if admin_key else None,
+                  config.supervisor.drain_timeout)
+    status = Status(pool, breakers, canary, router, degraded, supervisors, metrics)
+    reloadable = Reloadable(pool, breakers, canary, supervisors, supervise, checker)
+    return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
+                 probe, checker, supervisors, admin, status, reloadable, shared)
