@@ -11,6 +11,7 @@ from gateway.canary.rollout import Canary
 from gateway.canary.tally import Tally
 from gateway.http.headers import upstream_request_headers
 from gateway.metrics import Metrics
+from gateway.resilience.attempt import Attempt, judge
 from gateway.resilience.breaker import Outcome
 from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
@@ -18,6 +19,7 @@ from gateway.types import RequestContext
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
 
 log = logging.getLogger("gateway.shadow")
+
 
 class Shadow:
     """Mirrors a request to the canary group; the answer is read and thrown away."""
@@ -48,36 +50,30 @@ class Shadow:
             return
         backend = ticket.backend
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        backend.in_flight += 1
-        try:
-            async with asyncio.timeout(self._timeout):
-                resp = await self._upstream.request(
-                    "POST", backend.url + ctx.path,
-                    upstream_request_headers(ctx.headers, backend, ctx.request_id),
-                    self._pool.names.body_for(ctx, backend.spec.group))
-                ticket.status = resp.status
-                try:
-                    chunk = await resp.read()
-                    ticket.first_byte = loop.time()
-                    while chunk:
+        with Attempt(ticket, loop.time(), self._tally.attempt):
+            try:
+                async with asyncio.timeout(self._timeout):
+                    resp = await self._upstream.request(
+                        "POST", backend.url + ctx.path,
+                        upstream_request_headers(ctx.headers, backend, ctx.request_id),
+                        self._pool.names.body_for(ctx, backend.spec.group))
+                    ticket.status = resp.status
+                    try:
                         chunk = await resp.read()
-                finally:
-                    await resp.aclose(reuse=False)
-            failed = resp.status >= 500
-            ticket.done(Outcome.FAILURE if failed else Outcome.SUCCESS if resp.status < 400
-                        else Outcome.NEUTRAL)
-            self._counter.labels("error" if failed else "ok").inc()
-        except (ConnectFailed, UpstreamBroken, TimeoutError) as exc:
-            ticket.done(Outcome.FAILURE, type(exc).__name__)
-            self._counter.labels("error").inc()
-        except asyncio.CancelledError:
-            self._counter.labels("cancelled").inc()
-            raise
-        finally:
-            backend.in_flight -= 1
-            ticket.done(Outcome.NEUTRAL)
-            self._tally.attempt(ticket, started)
+                        ticket.first_byte = loop.time()
+                        while chunk:
+                            chunk = await resp.read()
+                    finally:
+                        await resp.aclose(reuse=False)
+                outcome, _ = judge(resp.status)  # not busy, never retried: the status alone
+                ticket.done(outcome)
+                self._counter.labels("error" if outcome is Outcome.FAILURE else "ok").inc()
+            except (ConnectFailed, UpstreamBroken, TimeoutError) as exc:
+                ticket.done(Outcome.FAILURE, type(exc).__name__)
+                self._counter.labels("error").inc()
+            except asyncio.CancelledError:
+                self._counter.labels("cancelled").inc()
+                raise
 
     async def aclose(self) -> None:
         for task in list(self._tasks):

@@ -1,0 +1,302 @@
+"""The request path: parse once, choose a backend, forward, relay bytes as they come.
+
+Each attempt's result is judged by one table (``resilience.attempt.judge``) and ``_serve``
+follows its verdict; the relay and its per-chunk loop are in ``relay.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from backends.asgi import BodyTooLarge, cancel_on_disconnect, read_body
+from backends.backend import Backend
+from gateway.canary.arms import Arms
+from gateway.canary.rollout import Canary
+from gateway.canary.shadow import Shadow
+from gateway.canary.tally import Tally
+from gateway.config import Config
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from gateway.http.asgi import request_id, send_error
+from gateway.http.deadline import Deadline
+from gateway.http.headers import upstream_request_headers
+from gateway.metrics import Metrics
+from gateway.observability.access_log import RequestLog
+from gateway.proxy.relay import Relay, header
+from gateway.resilience.attempt import Attempt, Failed, Next, busy_for, judge, retriable, settled
+from gateway.resilience.breaker import Outcome, Ticket
+from gateway.resilience.degraded import Degraded
+from gateway.resilience.retry import RetryBudget, backoff
+from gateway.routing.pool import BackendPool
+from gateway.routing.router import Router
+from gateway.types import RequestContext
+from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+
+log = logging.getLogger("gateway.proxy")
+
+
+class Proxy:
+    """The ASGI endpoint behind every OpenAI POST route."""
+
+    def __init__(
+        self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
+        degraded: Degraded, metrics: Metrics, canary: Canary, arms: Arms,
+    ) -> None:
+        self._pool = pool
+        self._canary = canary
+        self._arms = arms
+        self._tally = Tally(metrics, canary)
+        self._log = RequestLog(metrics, config.gateway.access_log)
+        self._shadow = Shadow(upstream, router, pool, canary, metrics,
+                              config.upstream.total_timeout)
+        self._degraded = degraded
+        self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
+        self._metrics = metrics
+        self._upstream = upstream
+        self._router = router
+        self._budget = RetryBudget(config.upstream.retry_budget_ratio,
+                                   config.upstream.retry_budget_floor)
+        self._max_session_key = config.routing.session_key_max_len
+        self._max_body = config.gateway.max_body_bytes
+        self._body_timeout = config.gateway.body_timeout
+        self._timeouts = config.upstream
+        # (header name, None) or (None, body field), in the configured order
+        self._session_sources: list[tuple[bytes | None, str | None]] = [
+            (name.encode(), None) if kind == "header" else (None, name)
+            for kind, _, name in (s.partition(":") for s in config.routing.session_keys)
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = request_id(scope)
+        loop = asyncio.get_running_loop()
+        begun = loop.time()
+        deadline = Deadline(begun + self._body_timeout)
+        body = await self._read(scope, receive, send, rid, deadline, begun)
+        if body is None:
+            deadline.cancel()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = cancel_on_disconnect(receive)
+        ctx = None
+        try:
+            ctx = self._context(scope, body, rid)
+            ctx.started = begun
+            await self._serve(ctx, send, deadline)
+        except GatewayError as exc:
+            await send_error(send, exc, rid)
+            if ctx is None:
+                self._log.rejected(rid, scope["path"], exc.status, loop.time() - begun)
+            else:
+                ctx.status = exc.status
+        except asyncio.CancelledError:
+            if watcher.done() and task.uncancel() == 0:
+                log.info("request %s: client disconnected, upstream cancelled", rid)
+                if ctx is not None:
+                    ctx.note = "client gone"
+                    if ctx.shadow is not None:
+                        ctx.shadow.cancel()  # the mirror goes with the client
+                return
+            raise
+        finally:
+            watcher.cancel()
+            deadline.cancel()
+            if ctx is not None:
+                self._log.done(ctx, loop.time())
+
+    async def _read(self, scope: Scope, receive: Receive, send: Send, rid: str,
+                    deadline: Deadline, begun: float) -> bytes | None:
+        """The request body; None when the client left, or was answered 413 or 408."""
+        try:
+            return await read_body(receive, self._max_body)
+        except BodyTooLarge:
+            deadline.cancel()
+            await send_error(send, PayloadTooLarge(
+                f"request body exceeds {self._max_body} bytes"), rid)
+            status = 413
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
+            await send_error(send, RequestTimeout(
+                f"request body not received within {self._body_timeout:g} s"), rid)
+            status = 408
+        self._log.rejected(rid, scope["path"], status, asyncio.get_running_loop().time() - begun)
+        return None
+
+    def _context(self, scope: Scope, body: bytes, rid: str) -> RequestContext:
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(payload, dict):
+            raise BadRequest("request body must be a JSON object")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequest("'model' is required and must be a non-empty string")
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        return RequestContext(
+            request_id=rid,
+            path=scope["path"],
+            model=model,
+            stream=payload.get("stream") is True,
+            session_key=self._session_key(headers, payload),
+            body=body,
+            headers=headers,
+            payload=payload,
+        )
+
+    def _session_key(
+        self, headers: list[tuple[bytes, bytes]], payload: dict[str, object]
+    ) -> str | None:
+        for name, field in self._session_sources:
+            value: object = None
+            if name is not None:
+                value = next((v.decode("latin-1") for k, v in headers if k == name), None)
+            elif field is not None:
+                value = payload.get(field)
+            if isinstance(value, str) and value:
+                if len(value) > self._max_session_key:
+                    raise BadRequest(
+                        f"session key is longer than {self._max_session_key} characters")
+                return value
+        return None
+
+    async def _serve(self, ctx: RequestContext, send: Send, deadline: Deadline) -> None:
+        loop = asyncio.get_running_loop()
+        total = loop.time() + self._timeouts.total_timeout
+        self._budget.deposit()
+        if self._canary.enabled:
+            await self._arms.assign(ctx)
+            if ctx.group == self._canary.stable and self._canary.shadow():
+                ctx.shadow = self._shadow.mirror(ctx)
+        tried: list[Backend] = []
+        failure: GatewayError | None = None
+        for n in range(1, self._timeouts.max_attempts + 1):
+            ticket = await self._router.choose(ctx, tried)
+            if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
+                break
+            tried.append(ticket.backend)
+            with Attempt(ticket, ctx.started, self._tally.attempt):
+                deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
+                reply = await self._open(ticket.backend, ctx, deadline)
+                outcome, step = self._judge(reply, ticket, ctx, tried, n)
+                match step:
+                    case Next.RETRY:
+                        if reply is not None and not isinstance(reply, GatewayError):
+                            log.info("request %s: backend %s answered %d, retrying elsewhere",
+                                     ctx.request_id, ticket.backend.name, reply.status)
+                            await reply.aclose(reuse=False)
+                        continue
+                    case Next.FAIL:
+                        failure = reply if isinstance(reply, GatewayError) else None
+                        break
+                assert reply is not None and not isinstance(reply, GatewayError)
+                if step is Next.DEGRADE and (found := await self._degraded.find(ctx)):
+                    await reply.aclose(reuse=False)
+                    await self._degraded.send(ctx, send, found, f"backend {ticket.backend.name}"
+                                              f" answered {reply.status}")
+                    return
+                deadline.stream(self._timeouts.idle_timeout, total)
+                await self._relay(reply, ticket, outcome, ctx, send, deadline)
+                return
+        await self._exhausted(ctx, send, tried, failure)
+
+    async def _back_off(self, n: int, total: float, loop: asyncio.AbstractEventLoop) -> bool:
+        """Wait before attempt ``n``; False when the pause would outlast the request."""
+        pause = backoff(n - 1, self._timeouts.retry_backoff)
+        if loop.time() + pause >= total:
+            return False
+        await asyncio.sleep(pause)
+        return True
+
+    def _judge(self, reply: UpstreamResponse | GatewayError | None, ticket: Ticket,
+               ctx: RequestContext, tried: list[Backend], n: int) -> tuple[Outcome, Next]:
+        """The attempt's verdict (``judge``): a busy backend is skipped for its Retry-After,
+        a retry is paid for only when the result is retriable, and a settled outcome is told
+        to the breaker at once (the others when the relay ends)."""
+        busy = False
+        result: int | Failed
+        if reply is None:
+            result, cause = Failed.CONNECT, "connect"
+        elif isinstance(reply, GatewayError):
+            result = Failed.TIMEOUT if isinstance(reply, UpstreamTimeout) else Failed.BROKEN
+            cause = reply.message
+        else:
+            result, cause = reply.status, f"status {reply.status}"
+            ticket.status = reply.status
+            busy = self._note_busy(reply, ticket.backend)
+        retry = retriable(result) and self._may_retry(
+            ctx, tried, n, "connect" if result is Failed.CONNECT else str(result))
+        outcome, step = judge(result, busy, retry)
+        if settled(result):
+            ticket.done(outcome, cause)
+        return outcome, step
+
+    async def _exhausted(self, ctx: RequestContext, send: Send, tried: list[Backend],
+                         failure: GatewayError | None) -> None:
+        """No attempt was relayed: an earlier reply, the error, or 503."""
+        if not tried and not self._pool.known_model(ctx.model):
+            raise ModelNotFound(f"The model `{ctx.model}` does not exist.")
+        why = (failure.message if failure else
+               f"no backend for model {ctx.model!r} could be reached" if tried else
+               f"no healthy backend serves model {ctx.model!r}")
+        found = await self._degraded.find(ctx)
+        if found is not None:
+            await self._degraded.send(ctx, send, found, why)
+        elif failure is not None:
+            raise failure
+        else:
+            await self._degraded.unavailable(ctx, send, why)
+
+    def _may_retry(self, ctx: RequestContext, tried: list[Backend], attempt: int,
+                   reason: str) -> bool:
+        """Commit to another attempt: one is left, another backend could take it, and the
+        budget pays for it. Nothing reached the client yet, so a retry is invisible."""
+        if attempt >= self._timeouts.max_attempts or not self._router.can_retry(ctx, tried):
+            return False
+        if not self._budget.withdraw():
+            self._metrics.retry_budget_exhausted.inc()
+            return False
+        self._metrics.retries.labels(reason).inc()
+        return True
+
+    @staticmethod
+    def _note_busy(resp: UpstreamResponse, backend: Backend) -> bool:
+        """A 429/503 with Retry-After: busy, not broken. Skip the backend that long."""
+        seconds = busy_for(resp.status, header(resp.headers, b"retry-after"))
+        if not seconds:
+            return False
+        backend.busy_until = time.monotonic() + seconds
+        log.warning("backend %s busy: skipped for %.1f s (Retry-After)", backend.name, seconds)
+        return True
+
+    async def _open(
+        self, backend: Backend, ctx: RequestContext, deadline: Deadline
+    ) -> UpstreamResponse | GatewayError | None:
+        """Send the request: the reply; None when no connection could be made (another
+        backend may be tried); the error when it broke or no headers came in time."""
+        headers = upstream_request_headers(ctx.headers, backend, ctx.request_id)
+        body = self._pool.names.body_for(ctx, backend.spec.group)
+        try:
+            return await self._upstream.request("POST", backend.url + ctx.path, headers, body)
+        except ConnectFailed as exc:
+            log.warning("request %s: backend %s unreachable: %s", ctx.request_id, backend.name,
+                        exc)
+            return None
+        except UpstreamBroken as exc:
+            return UpstreamUnavailable(f"backend {backend.name} failed: {exc}")
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
+            return UpstreamTimeout(f"backend {backend.name} sent no response headers in time")

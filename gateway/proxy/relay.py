@@ -1,0 +1,188 @@
+"""The relay: a backend's reply sent on to the client as it comes, chunk by chunk.
+
+The per-chunk loop is inline and allocates nothing of its own: a chunk is sent, the deadline
+stamped, an in-band error looked for, and the chunk kept by reference for the reply cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.types import Send
+
+from backends.backend import Backend
+from gateway.errors import StreamAborted, UpstreamTimeout, UpstreamUnavailable, sse_error_event
+from gateway.http.deadline import Deadline
+from gateway.http.headers import client_response_headers
+from gateway.http.rewrite import ModelRewrite
+from gateway.metrics import Metrics
+from gateway.resilience.breaker import Outcome, Ticket
+from gateway.resilience.replies import ReplyCache
+from gateway.routing.pool import BackendPool
+from gateway.types import RequestContext
+from gateway.upstream import UpstreamBroken, UpstreamResponse
+
+log = logging.getLogger("gateway.proxy")
+
+# How vLLM reports a failure inside an HTTP 200 stream. A JSON string can't hold this
+# byte sequence unescaped, so a token can never look like it.
+INBAND_ERROR = b'data: {"error"'
+INBAND = len(INBAND_ERROR)
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    """A header's value (``name`` in lower case), or b"" when absent."""
+    return next((v for k, v in headers if k.lower() == name), b"")
+
+
+class Relay:
+    """Sends one attempt's reply to the client and tells the ticket how the relay ended."""
+
+    def __init__(self, pool: BackendPool, replies: ReplyCache, cache_max: int,
+                 metrics: Metrics) -> None:
+        self._pool = pool  # asked for the model map each time: a reload replaces it
+        self._replies = replies
+        self._cache_max = cache_max
+        self._metrics = metrics
+
+    def _rewrite(self, ctx: RequestContext, backend: Backend,
+                 headers: list[tuple[bytes, bytes]]) -> ModelRewrite | None:
+        """How the reply must change to name the client's model, or None (bytes pass as
+        they are). An encoded body can't be rewritten; vLLM never encodes its replies."""
+        served = self._pool.names.served(ctx.model, backend.spec.group)
+        if served == ctx.model or header(headers, b"content-encoding") not in (b"", b"identity"):
+            return None
+        return ModelRewrite(served, ctx.model)
+
+    async def __call__(self, resp: UpstreamResponse, ticket: Ticket, outcome: Outcome,
+                       ctx: RequestContext, send: Send, deadline: Deadline) -> None:
+        """Relay ``resp``; ``outcome`` is told if it ends cleanly, FAILURE if it breaks."""
+        loop = asyncio.get_running_loop()
+        backend = ticket.backend
+        ctx.served_by, ctx.status = backend, resp.status
+        stream = header(resp.headers, b"content-type").startswith(b"text/event-stream")
+        rewrite = self._rewrite(ctx, backend, resp.headers)
+        if rewrite is not None and not stream:
+            await self._whole(resp, ticket, outcome, ctx, send, deadline, rewrite)
+            return
+        await send({
+            "type": "http.response.start",
+            "status": resp.status,
+            "headers": client_response_headers(resp.headers, backend, ctx.request_id, stream),
+        })
+        # Kept for the reply cache: the chunks relayed anyway, by reference, up to the cap.
+        parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(ctx) \
+            else None
+        room = self._cache_max
+        cause = None
+        reuse = False
+        chunks = 0
+        tail = b""  # the end of a line split across chunks, for the in-band check
+        try:
+            chunk = await resp.read()
+            ctx.first_byte = ticket.first_byte = loop.time()
+            while chunk:
+                if rewrite is not None:
+                    chunk = rewrite.feed(chunk)
+                    if not chunk:  # half a line: it goes out with the rest of it
+                        chunk = await resp.read()
+                        continue
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                deadline.touch()
+                chunks += 1
+                if stream and cause is None:
+                    if INBAND_ERROR in chunk or (tail and INBAND_ERROR in tail + chunk[:INBAND]):
+                        cause = "inband"
+                    tail = b"" if chunk.endswith(b"\n") else (tail + chunk)[-INBAND:]
+                if parts is not None:
+                    parts.append(chunk)
+                    room -= len(chunk)
+                    if room < 0:
+                        parts = None
+                chunk = await resp.read()
+            if rewrite is not None and (rest := rewrite.flush()):
+                await send({"type": "http.response.body", "body": rest, "more_body": True})
+                if parts is not None:
+                    parts.append(rest)
+            reuse = True
+        except UpstreamBroken as exc:
+            cause = "dropped"
+            log.warning("request %s: backend %s: %s", ctx.request_id, backend.name, exc)
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
+            cause = "stalled"
+        finally:
+            ctx.chunks, ctx.last_byte = chunks, deadline.last
+            await resp.aclose(reuse)
+        await self._end(ticket, outcome, ctx, send, cause, parts, stream)
+
+    async def _end(self, ticket: Ticket, outcome: Outcome, ctx: RequestContext, send: Send,
+                   cause: str | None, parts: list[bytes] | None, stream: bool) -> None:
+        """The tail of a relay: the outcome, the reply kept, and the client told of a stream
+        cut short (a non-streaming reply can only be cut: its length was promised)."""
+        if cause is None:
+            ticket.done(outcome)
+            if parts is not None:
+                self._replies.keep(ctx, parts, stream)
+        else:
+            self._fail(ticket, ctx, cause)
+        if cause in ("dropped", "stalled"):
+            detail = "failed" if cause == "dropped" else "stalled"
+            name = ticket.backend.name
+            log.warning("request %s: backend %s %s mid-response", ctx.request_id, name, detail)
+            if not stream:
+                raise StreamAborted(detail)
+            event = sse_error_event(f"backend {name} {detail} mid-stream", "upstream_error", 502)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _whole(
+        self, resp: UpstreamResponse, ticket: Ticket, outcome: Outcome, ctx: RequestContext,
+        send: Send, deadline: Deadline, rewrite: ModelRewrite,
+    ) -> None:
+        """A non-streaming reply whose body changes: read it whole, rewrite it, and send it
+        with its new ``Content-Length``. Nothing went out yet when the backend breaks, so
+        the client gets a clean 502 or 504 instead of a cut body."""
+        loop = asyncio.get_running_loop()
+        backend = ticket.backend
+        parts: list[bytes] = []
+        reuse = False
+        try:
+            chunk = await resp.read()
+            ctx.first_byte = ticket.first_byte = loop.time()
+            while chunk:
+                parts.append(chunk)
+                deadline.touch()
+                chunk = await resp.read()
+            reuse = True
+        except UpstreamBroken as exc:
+            log.warning("request %s: backend %s failed mid-reply: %s", ctx.request_id,
+                        backend.name, exc)
+            self._fail(ticket, ctx, "dropped")
+            raise UpstreamUnavailable(f"backend {backend.name} failed mid-reply") from None
+        except asyncio.CancelledError:
+            if not deadline.absorb():
+                raise
+            self._fail(ticket, ctx, "stalled")
+            raise UpstreamTimeout(f"backend {backend.name} stalled mid-reply") from None
+        finally:
+            await resp.aclose(reuse)
+        body = rewrite.whole(parts[0] if len(parts) == 1 else b"".join(parts))
+        await send({
+            "type": "http.response.start",
+            "status": resp.status,
+            "headers": client_response_headers(resp.headers, backend, ctx.request_id, False,
+                                               len(body)),
+        })
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        ctx.chunks, ctx.last_byte = 1, loop.time()
+        ticket.done(outcome)
+        if resp.status == 200 and len(body) <= self._cache_max and self._replies.wants(ctx):
+            self._replies.keep(ctx, [body], False)
+
+    def _fail(self, ticket: Ticket, ctx: RequestContext, cause: str) -> None:
+        ctx.note = f"stream {cause}"
+        ticket.done(Outcome.FAILURE, cause)
+        self._metrics.stream_failures.labels(cause).inc()
