@@ -16,7 +16,7 @@ from gateway.resilience.breaker import Outcome
 from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
 from gateway.types import RequestContext
-from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
+from gateway.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("gateway.shadow")
 
@@ -68,7 +68,7 @@ class Shadow:
                 outcome, _ = judge(resp.status)  # not busy, never retried: the status alone
                 ticket.done(outcome)
                 self._counter.labels("error" if outcome is Outcome.FAILURE else "ok").inc()
-            except (ConnectFailed, UpstreamBroken, TimeoutError) as exc:
+            except (UpstreamError, TimeoutError) as exc:
                 ticket.done(Outcome.FAILURE, type(exc).__name__)
                 self._counter.labels("error").inc()
             except asyncio.CancelledError:
