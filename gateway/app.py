@@ -103,6 +103,7 @@ class GatewayApp:
             log.info("embedded valkey on %s, data in %s", shared.embedded.url,
                      shared.embedded.data_dir)
         shared.link.open()
+        await shared.link.warm()
         tasks = []
         if shared.breaker_sync is not None:
             tasks.append(asyncio.create_task(shared.breaker_sync.run(), name="breaker-sync"))

@@ -91,6 +91,17 @@ class RedisLink:
         self._opened = self.up = True
         self._metrics.redis_up.set(1)
 
+    async def warm(self, within: float = 5.0) -> None:
+        """Open the batches' connections before the first request needs them: a connection
+        made on a busy machine can take longer than ``timeout``, and a first request that
+        waited for it would send every session to consistent hashing for a while."""
+        try:
+            await bounded(asyncio.gather(*(self.client.ping() for _ in range(self._batches))),
+                          within)
+        except FAILURES as exc:
+            log.warning("redis not answering at start (%s); serving without it meanwhile",
+                        type(exc).__name__)
+
     @property
     def available(self) -> bool:
         return self._opened and (self.up or self._clock() >= self._down_until)

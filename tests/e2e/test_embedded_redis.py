@@ -44,7 +44,7 @@ def start(tmp: Path, config: str, name: str) -> Gateway:
         states = httpx.get(gw.url + "/readyz").json()["backends"].values()
         return all(state == "ready" for state in states)
 
-    wait_for(all_ready, 10, "every backend ready")
+    wait_for(all_ready, 30, "every backend ready")
     return gw
 
 
