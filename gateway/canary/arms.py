@@ -9,7 +9,7 @@ weight drops to zero.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
 
 from gateway.canary.rollout import Canary
 from gateway.routing.pool import BackendPool
@@ -26,21 +26,19 @@ class ArmStore:
         self._ttl_ms = int(ttl * 1000)
 
     async def claim(self, key: str, drawn: str) -> tuple[bool, str | None]:
-        """(answered, the session's arm before this call); None means ``drawn`` was stored."""
-        client, full = self._link.client, self._prefix + key
-
-        async def op() -> Any:
-            pipe = client.pipeline(transaction=False)
-            pipe.set(full, drawn, nx=True, get=True, px=self._ttl_ms)
-            pipe.pexpire(full, self._ttl_ms)
-            return await pipe.execute()
-
-        answered, result = await self._link.call(op)
-        return answered, (result[0] if answered else None)
+        """(answered, the session's arm before this call); None means ``drawn`` was stored.
+        One round trip, shared with the request's pin claim (``SET NX GET`` + ``PEXPIRE``)."""
+        full = self._prefix + key
+        answered, results = await self._link.execute(
+            ("SET", full, drawn, "NX", "GET", "PX", self._ttl_ms, {"get": True}),
+            ("PEXPIRE", full, self._ttl_ms))
+        if not answered or isinstance(results[0], Exception):
+            return False, None
+        value = results[0]
+        return True, value.decode() if isinstance(value, bytes) else value
 
     async def move(self, key: str, arm: str) -> None:
-        client = self._link.client
-        await self._link.call(lambda: client.set(self._prefix + key, arm, px=self._ttl_ms))
+        await self._link.execute(("SET", self._prefix + key, arm, "PX", self._ttl_ms))
 
 
 class Arms:
@@ -51,12 +49,16 @@ class Arms:
         self._canary = canary
         self.store = store  # set once Redis is up
 
-    async def assign(self, ctx: RequestContext) -> None:
+    def assign(self, ctx: RequestContext) -> asyncio.Task[None] | None:
         """Put the request in a canary arm (``ctx.group``): a session keeps the arm it was
-        first given while that arm has weight; other requests are drawn by weight."""
+        first given while that arm has weight; other requests are drawn by weight.
+
+        The drawn arm is set at once; for a session, the stored arm is checked by the task
+        returned, which the caller awaits after starting its pin lookup, so that both go
+        to Redis in one round trip. The task may change ``ctx.group``."""
         canary = self._canary
         if not canary.enabled:
-            return
+            return None
         if ctx.session_key is None:
             drawn = canary.draw()
         else:
@@ -64,15 +66,18 @@ class Arms:
         if not self._pool.known_model(ctx.model, drawn):
             other = canary.stable if drawn == canary.group else canary.group
             ctx.group = other if self._pool.known_model(ctx.model, other) else None
-            return
+            return None
         ctx.group = drawn
         if ctx.session_key is None or self.store is None:
-            return
+            return None
+        return asyncio.ensure_future(self._confirm(ctx, self.store, drawn))
+
+    async def _confirm(self, ctx: RequestContext, store: ArmStore, drawn: str) -> None:
         key = f"{ctx.model}:{ctx.session_key}"
-        answered, stored = await self.store.claim(key, drawn)
+        answered, stored = await store.claim(key, drawn)
         if not answered or stored is None or stored == drawn:
             return
-        if canary.weight_of(stored) > 0 and self._pool.known_model(ctx.model, stored):
+        if self._canary.weight_of(stored) > 0 and self._pool.known_model(ctx.model, stored):
             ctx.group = stored
         else:  # its arm was removed: the session moves, once, and stays
-            await self.store.move(key, drawn)
+            await store.move(key, drawn)

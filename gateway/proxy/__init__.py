@@ -176,14 +176,17 @@ class Proxy:
         loop = asyncio.get_running_loop()
         total = loop.time() + self._timeouts.total_timeout
         self._budget.deposit()
-        if self._canary.enabled:
-            await self._arms.assign(ctx)
-            if ctx.group == self._canary.stable and self._canary.shadow():
-                ctx.shadow = self._shadow.mirror(ctx)
+        arm = self._arms.assign(ctx)  # the session's stored arm: with its pin, one trip
+        drawn = ctx.group  # the task may change it as soon as the pin lookup yields
+        if arm is None:
+            self._mirror(ctx)
         tried: list[Backend] = []
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
             ticket = await self._router.choose(ctx, tried)
+            if arm is not None:
+                ticket = await self._settle_arm(ctx, arm, drawn, ticket)
+                arm = None
             if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
                 break
             tried.append(ticket.backend)
@@ -211,6 +214,25 @@ class Proxy:
                 await self._relay(reply, ticket, outcome, ctx, send, deadline)
                 return
         await self._exhausted(ctx, send, tried, failure)
+
+    async def _settle_arm(self, ctx: RequestContext, arm: asyncio.Task[None],
+                          drawn: str | None, ticket: Ticket | None) -> Ticket | None:
+        """Wait for the session's stored arm; choose again in the rare case it is another
+        group than the one drawn (a weight changed since the session began). Then mirror a
+        stable request to the canary when shadowing is on."""
+        await arm
+        if ctx.group != drawn:
+            if ticket is not None:
+                ticket.done(Outcome.NEUTRAL)
+            ticket = await self._router.choose(ctx)
+        self._mirror(ctx)
+        return ticket
+
+    def _mirror(self, ctx: RequestContext) -> None:
+        """Stable traffic is mirrored to the canary while shadowing is on."""
+        if (self._canary.enabled and ctx.group == self._canary.stable
+                and self._canary.shadow()):
+            ctx.shadow = self._shadow.mirror(ctx)
 
     async def _back_off(self, n: int, total: float, loop: asyncio.AbstractEventLoop) -> bool:
         """Wait before attempt ``n``; False when the pause would outlast the request."""
