@@ -84,6 +84,7 @@ class RedisLink:
         self._queue: list[_Queued] = []
         self._flush_due = False
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._chores: set[asyncio.Future[None]] = set()
         metrics.redis_up.set(1 if opened else 0)
 
     def open(self) -> None:
@@ -181,6 +182,11 @@ class RedisLink:
         self._metrics.redis_errors.inc()
         self._down_until = self._clock() + self._retry_interval
         if self.up:
+            # Every pooled connection may be dead (a restarted server): drop them all, so
+            # the next try opens fresh ones instead of failing once per stale connection.
+            task = asyncio.ensure_future(self.client.connection_pool.disconnect())
+            self._chores.add(task)
+            task.add_done_callback(self._chores.discard)
             self.up = False
             self._metrics.redis_up.set(0)
             log.warning("redis unavailable (%s: %s): pins fall back to consistent hashing, "
@@ -197,7 +203,7 @@ class RedisLink:
     async def aclose(self) -> None:
         for task in list(self._in_flight):
             task.cancel()
-        await asyncio.gather(*self._in_flight, return_exceptions=True)
+        await asyncio.gather(*self._in_flight, *self._chores, return_exceptions=True)
         await self.client.aclose()
 
     def __repr__(self) -> str:
