@@ -43,13 +43,13 @@ class Backend:
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("_streak", "busy_until", "flaps", "in_flight", "last_probe", "load", "models",
-                 "pid", "restarts", "spec", "started_at", "state", "url")
+    __slots__ = ("_state", "_streak", "busy_until", "flaps", "in_flight", "last_probe", "load",
+                 "models", "pid", "restarts", "spec", "started_at", "url")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.url = spec.base_url
-        self.state = BackendState.STARTING
+        self._state = BackendState.STARTING
         self.in_flight = 0
         self.models: frozenset[str] = frozenset()
         self.flaps = 0
@@ -63,6 +63,11 @@ class Backend:
         self._streak = 0  # consecutive probes disagreeing with the current state
 
     @property
+    def state(self) -> BackendState:
+        """Changed only through the methods below and ``observe_probe``."""
+        return self._state
+
+    @property
     def name(self) -> str:
         return self.spec.name
 
@@ -73,7 +78,7 @@ class Backend:
 
     @property
     def routable(self) -> bool:
-        return self.state is BackendState.READY and (
+        return self._state is BackendState.READY and (
             not self.busy_until or time.monotonic() >= self.busy_until)
 
     @property
@@ -88,24 +93,55 @@ class Backend:
     def serves(self, model: str) -> bool:
         return model in self.models
 
+    # Every change of state goes through one of these (or observe_probe).
+
+    def mark_busy(self, seconds: float) -> None:
+        """Busy, not broken (a 429 or 503 with Retry-After): skipped for ``seconds``."""
+        self.busy_until = time.monotonic() + seconds
+
+    def start_over(self) -> None:
+        """Starting (again): its probes, or its supervisor, say when it is ready."""
+        self._state = BackendState.STARTING
+        self._streak = 0
+
+    def mark_ready(self) -> None:
+        """Its supervisor saw the process ready."""
+        self._state = BackendState.READY
+
+    def mark_lost(self) -> None:
+        """Its process ended: out of rotation, unless it had already left it."""
+        if self._state is BackendState.READY:
+            self._state = BackendState.UNHEALTHY
+
+    def drain(self) -> None:
+        """Out of rotation; the requests it has go on until they end."""
+        self._state = BackendState.DRAINING
+
+    def stop(self) -> None:
+        self._state = BackendState.STOPPED
+
+    def fail(self) -> None:
+        """Given up on until an operator starts it again."""
+        self._state = BackendState.FAILED
+
     def observe_probe(self, ok: bool, fall: int, rise: int) -> bool:
         """Apply one health-probe result; return True when the state changed.
 
         A backend flips only after ``fall`` failures (or ``rise`` successes) in a row,
         so one lost probe never takes it out of rotation.
         """
-        if self.state in (BackendState.DRAINING, BackendState.STOPPED, BackendState.FAILED):
+        if self._state in (BackendState.DRAINING, BackendState.STOPPED, BackendState.FAILED):
             return False
-        if self.state is BackendState.STARTING:
+        if self._state is BackendState.STARTING:
             # A fresh backend has no earlier state to protect: its first probe decides,
             # except for a spawned one, whose supervisor decides when it is ready (what
             # answers on its port before that may be an orphan the supervisor will kill).
             if self.managed:
                 return False
             self._streak = 0
-            self.state = BackendState.READY if ok else BackendState.UNHEALTHY
+            self._state = BackendState.READY if ok else BackendState.UNHEALTHY
             return True
-        if ok == (self.state is BackendState.READY):
+        if ok == (self._state is BackendState.READY):
             self._streak = 0
             return False
         self._streak += 1
@@ -113,11 +149,11 @@ class Backend:
             return False
         self._streak = 0
         self.flaps += 1
-        self.state = BackendState.READY if ok else BackendState.UNHEALTHY
+        self._state = BackendState.READY if ok else BackendState.UNHEALTHY
         return True
 
     def __repr__(self) -> str:
         return (
-            f"<Backend {self.name} [{self.state.value} | in-flight {self.in_flight} | "
+            f"<Backend {self.name} [{self._state.value} | in-flight {self.in_flight} | "
             f"models {len(self.models)} | flaps {self.flaps}]>"
         )

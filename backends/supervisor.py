@@ -67,7 +67,7 @@ async def start_in_turn(supervisors: list[Supervisor], poll: float = 0.5) -> Non
 
 async def drain(backend: Backend, within: float, poll: float = 0.05) -> bool:
     """Take a backend out of rotation and wait for its in-flight requests to finish."""
-    backend.state = BackendState.DRAINING
+    backend.drain()
     deadline = time.monotonic() + within
     # in_flight is a bare counter on the hot path; polling it during a drain costs nothing.
     while backend.in_flight and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -132,18 +132,22 @@ class Supervisor:
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"supervise {self.backend.name}")
 
-    async def stop(self, state: BackendState = BackendState.STOPPED) -> None:
+    async def stop(self) -> None:
+        await self._halt()
+        self.backend.stop()
+
+    async def restart(self) -> None:
+        """An operator's restart: stop, forget the crash history, start again."""
+        await self._halt()
+        self.backend.start_over()
+        self.start()
+
+    async def _halt(self) -> None:
         self._stopping = True
         await self._terminate()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        self.backend.state = state
-
-    async def restart(self) -> None:
-        """An operator's restart: stop, forget the crash history, start again."""
-        await self.stop(BackendState.STARTING)
-        self.start()
 
     def backoff(self, crashes: int) -> float:
         base = min(self._settings.backoff_max,
@@ -166,7 +170,7 @@ class Supervisor:
         while not self._stopping:
             self.problem = await asyncio.to_thread(self.clear_the_way)
             if self.problem is not None:
-                self.backend.state = BackendState.FAILED
+                self.backend.fail()
                 log.error("backend %s: %s", self.backend.name, self.problem)
                 return
             if self._stopping:
@@ -183,7 +187,7 @@ class Supervisor:
                 self._crashes.popleft()
             self.backend.restarts += 1
             if len(self._crashes) >= self._settings.crash_loop_restarts:
-                self.backend.state = BackendState.FAILED
+                self.backend.fail()
                 log.error("backend %s: %d crashes within %g s: marked failed, not restarting "
                           "until an operator does", self.backend.name, len(self._crashes),
                           self._settings.crash_loop_window)
@@ -196,7 +200,7 @@ class Supervisor:
     async def _one_life(self) -> int | str:
         """Run the process once: until it exits, or fails to become ready in time."""
         backend = self.backend
-        backend.state = BackendState.STARTING
+        backend.start_over()
         # build() may look through site-packages and rss_mb() walks /proc: keep file
         # reads off the event loop.
         launch = await asyncio.to_thread(functools.partial(
@@ -215,7 +219,7 @@ class Supervisor:
                           self._spawn.startup_timeout)
                 await self._terminate()
                 return "start-up timeout"
-            backend.state = BackendState.READY
+            backend.mark_ready()
             log.info("backend %s: ready after %.1f s", backend.name,
                      self._clock() - backend.started_at)
             return await self._serve_until_exit(exited)
@@ -223,8 +227,7 @@ class Supervisor:
             exited.cancel()
             backend.pid = None
             backend.started_at = None
-            if backend.state is BackendState.READY:
-                backend.state = BackendState.UNHEALTHY
+            backend.mark_lost()
 
     async def _serve_until_exit(self, exited: asyncio.Future[int]) -> int | str:
         """Wait for the process to exit; restart it on purpose when a policy says so."""

@@ -51,9 +51,9 @@ class GatewayApp:
         self.pool, self.metrics, self.status = parts.pool, parts.metrics, parts.status
         self.reloadable = parts.reloadable
         self.config_path = config_path or os.environ.get(CONFIG_ENV)
-        self.canary_admin = CanaryAdmin(parts.canary, parts.admin.guard, self.reload)
-        if parts.shared is not None:
-            self.canary_admin.publish = parts.shared.canary_sync.publish
+        self.canary_admin = CanaryAdmin(
+            parts.canary, parts.admin.guard, self.reload,
+            parts.shared.canary_sync.publish if parts.shared is not None else None)
         self._other = Starlette(
             routes=[
                 Route("/v1/models", self._models, methods=["GET"]),

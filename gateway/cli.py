@@ -7,10 +7,14 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.config import CONFIG_ENV, Config, ConfigError, load
 from gateway.errors import EXIT_CONFIG
 from gateway.observability import logs
+
+if TYPE_CHECKING:  # argparse has no public name for it, and it is generic only in typeshed
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 log = logging.getLogger("gateway")
 
@@ -129,51 +133,46 @@ def build_parser() -> argparse.ArgumentParser:
         description="A streaming, load-balancing OpenAI gateway in front of vLLM backends.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument("--config", default="config.toml", help="default: ./config.toml")
+    sub.add_parser("serve", parents=[config], help="run the gateway").set_defaults(func=_serve)
+    sub.add_parser("check", parents=[config],
+                   help="validate the config; exit 2 listing every problem"
+                   ).set_defaults(func=_check)
+    _admin_commands(sub, config)
+    _sim_command(sub)
+    return parser
 
-    serve = sub.add_parser("serve", help="run the gateway")
-    serve.add_argument("--config", default="config.toml", help="default: ./config.toml")
-    serve.set_defaults(func=_serve)
 
-    check = sub.add_parser("check", help="validate the config; exit 2 listing every problem")
-    check.add_argument("--config", default="config.toml", help="default: ./config.toml")
-    check.set_defaults(func=_check)
+def _admin_commands(sub: Subparsers, config: argparse.ArgumentParser) -> None:
+    """The verbs that talk to a running gateway's admin API."""
+    def verb(name: str, text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[config], help=text)
+        p.set_defaults(func=_admin)
+        return p
 
-    status = sub.add_parser("status", help="print every backend's state (admin API)")
-    status.add_argument("--config", default="config.toml")
-    status.add_argument("--json", action="store_true")
-    status.set_defaults(func=_admin)
-    drain = sub.add_parser("drain", help="stop new requests to a backend, wait for in-flight")
+    verb("status", "print every backend's state (admin API)").add_argument(
+        "--json", action="store_true")
+    drain = verb("drain", "stop new requests to a backend, wait for in-flight")
     drain.add_argument("backend")
     drain.add_argument("--then", choices=["none", "restart", "stop"], default="none")
     drain.add_argument("--timeout", type=float, help="seconds to wait for in-flight requests")
-    drain.add_argument("--config", default="config.toml")
-    drain.set_defaults(func=_admin)
-    for verb, text in (("restart", "restart a spawned backend (also after 'failed')"),
+    for name, text in (("restart", "restart a spawned backend (also after 'failed')"),
                        ("stop", "stop a spawned backend"),
                        ("start", "start a stopped backend")):
-        p = sub.add_parser(verb, help=text)
-        p.add_argument("backend")
-        p.add_argument("--config", default="config.toml")
-        p.set_defaults(func=_admin)
-    rolling = sub.add_parser("rolling-restart",
-                             help="drain and restart every spawned backend, one at a time")
-    rolling.add_argument("--config", default="config.toml")
-    rolling.set_defaults(func=_admin)
-
-    canary = sub.add_parser("canary", help="the canary rollout: status, set, promote, "
-                                           "rollback, pause, resume")
+        verb(name, text).add_argument("backend")
+    verb("rolling-restart", "drain and restart every spawned backend, one at a time")
+    canary = verb("canary", "the canary rollout: status, set, promote, rollback, pause, resume")
     canary.add_argument("action", choices=["status", "set", "promote", "rollback", "pause",
                                            "resume"])
     canary.add_argument("group", nargs="?", help="set: the group whose weight is given")
     canary.add_argument("weight", nargs="?", type=float, help="set: percentage 0-100")
     canary.add_argument("--why", default="", help="recorded with the change")
     canary.add_argument("--json", action="store_true")
-    canary.add_argument("--config", default="config.toml")
-    canary.set_defaults(func=_admin)
-    reload = sub.add_parser("reload", help="re-read the config file in the running gateway")
-    reload.add_argument("--config", default="config.toml")
-    reload.set_defaults(func=_admin)
+    verb("reload", "re-read the config file in the running gateway")
 
+
+def _sim_command(sub: Subparsers) -> None:
     sim = sub.add_parser("sim", help="run the vLLM simulator")
     sim.add_argument("--port", type=int, required=True)
     sim.add_argument("--host", default="127.0.0.1")
@@ -198,7 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--log-level", default="warning")
     sim.set_defaults(func=_sim)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

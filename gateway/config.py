@@ -5,6 +5,7 @@ Every problem is reported at once as ``dotted.key.path: message``.
 
 from __future__ import annotations
 
+import enum
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -15,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     ValidationError,
     field_validator,
 )
@@ -43,11 +45,43 @@ def _check_listen(value: str) -> str:
     return value
 
 
-def _check_session_key(value: str) -> str:
+class SessionFrom(enum.StrEnum):
+    HEADER = "header"
+    BODY = "body"
+
+
+class SessionSource:
+    """Where a session key is read: a request header, or a top-level field of the body."""
+
+    __slots__ = ("header", "kind", "name")
+
+    def __init__(self, kind: SessionFrom, name: str) -> None:
+        self.kind = kind
+        self.name = name.lower() if kind is SessionFrom.HEADER else name
+        self.header = self.name.encode("latin-1") if kind is SessionFrom.HEADER else b""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SessionSource) and (self.kind, self.name) == (
+            other.kind, other.name)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.name))
+
+    def __repr__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+def _session_source(value: object) -> SessionSource:
+    if isinstance(value, SessionSource):
+        return value
+    if not isinstance(value, str):
+        raise ValueError("must be a string, 'header:NAME' or 'body:FIELD'")
     kind, sep, name = value.partition(":")
-    if not sep or kind not in ("header", "body") or not name:
+    if not sep or kind not in tuple(SessionFrom) or not name:
         raise ValueError("must be 'header:NAME' or 'body:FIELD'")
-    return f"header:{name.lower()}" if kind == "header" else value
+    if kind == SessionFrom.HEADER and not name.isascii():
+        raise ValueError("a header name must be ASCII")
+    return SessionSource(SessionFrom(kind), name)
 
 
 def _check_redis_url(value: str) -> str:
@@ -57,7 +91,7 @@ def _check_redis_url(value: str) -> str:
 
 
 Listen = Annotated[str, AfterValidator(_check_listen)]
-SessionKey = Annotated[str, AfterValidator(_check_session_key)]
+SessionKey = Annotated[SessionSource, PlainValidator(_session_source)]
 RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
 
 
@@ -125,7 +159,8 @@ class RedisSection(Section):
 
 
 class RoutingSection(Section):
-    session_keys: tuple[SessionKey, ...] = ("header:x-session-id", "body:user")
+    session_keys: tuple[SessionKey, ...] = (SessionSource(SessionFrom.HEADER, "x-session-id"),
+                                            SessionSource(SessionFrom.BODY, "user"))
     session_key_max_len: int = Field(default=256, ge=1, le=4096)
     policy: Literal["least_loaded", "round_robin", "prefix"] = "least_loaded"
     # Where a new session is pinned. Measured on real vLLM (docs/BENCHMARKS.md, GPU):

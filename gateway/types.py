@@ -1,8 +1,14 @@
-"""The core types of the request path, named once."""
+"""The core types of the request path, named once.
+
+A client request is parsed once into a frozen ``Request``: what policies, the router and
+the reply cache look at. What happens to it (its canary arm, the backend that served it,
+the status and timings for the log and metrics) is written to its ``Record``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -10,9 +16,9 @@ from typing import Protocol
 from backends.backend import Backend
 
 
-@dataclass(slots=True)
-class RequestContext:
-    """Everything a policy may look at, parsed once from the request."""
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the client asked, parsed once from the request."""
 
     request_id: str
     path: str
@@ -22,22 +28,36 @@ class RequestContext:
     body: bytes
     headers: list[tuple[bytes, bytes]] = field(repr=False)
     payload: dict[str, object] = field(default_factory=dict, repr=False)
+    started: float = 0.0  # loop time the body was in
+
+
+class StreamCause(enum.StrEnum):
+    """Why a relay ended before its reply did (a metric label and a log note)."""
+
+    INBAND = "inband"  # the backend reported an error inside a 200 stream
+    DROPPED = "dropped"  # the connection broke
+    STALLED = "stalled"  # no byte within the idle timeout
+
+
+@dataclass(slots=True)
+class Record:
+    """What happened to one request, filled in along the way."""
+
+    request: Request
     group: str | None = None  # the canary arm (backend group), when a rollout is on
     shadow: asyncio.Task[None] | None = field(default=None, repr=False)
-    # What happened, for the request log and metrics (filled in along the way).
-    started: float = 0.0  # loop time the body was in
     status: int = 0  # what the client got
     served_by: Backend | None = field(default=None, repr=False)
     first_byte: float | None = None
     last_byte: float | None = None
     chunks: int = 0
-    note: str = ""  # degraded:cache, stream:dropped, client gone...
+    note: str = ""  # degraded cache, stream dropped, client gone...
 
 
 class Policy(Protocol):
-    """Chooses one backend among already-filtered candidates. No I/O."""
+    """Chooses one backend among already-filtered candidates (never empty). No I/O."""
 
-    def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None: ...
+    def choose(self, candidates: Sequence[Backend], request: Request) -> Backend: ...
 
     def rewind(self) -> None:
         """Take back the last ``choose``: its choice was not used (the session turned out

@@ -1,5 +1,5 @@
-"""Build the gateway's objects in memory, one way for every test: backends, request
-contexts and configs. Each factory takes keywords for what a test cares about and fills
+"""Build the gateway's objects in memory, one way for every test: backends, requests and
+their records, and configs. Each factory takes keywords for what a test cares about and fills
 in the rest."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from backends.backend import Backend, BackendState, LoadReport
+from backends.backend import Backend, LoadReport
 from backends.spec import BackendSpec
 from gateway.config import Config, parse
-from gateway.types import RequestContext
+from gateway.types import Record, Request
 
 
 def backend(name: str = "b0", url: str | None = None, *, ready: bool = False,
@@ -23,7 +23,7 @@ def backend(name: str = "b0", url: str | None = None, *, ready: bool = False,
     fields = {"name": name, **({"url": url} if url is not None else {}), **spec}
     b = Backend(BackendSpec.model_validate(fields))
     if ready:
-        b.state = BackendState.READY
+        b.mark_ready()
     b.models, b.in_flight, b.load = frozenset(models), in_flight, load
     return b
 
@@ -33,14 +33,19 @@ def backends(n: int, **kw: Any) -> list[Backend]:
     return [backend(f"b{i}", f"http://127.0.0.1:{i + 1}", **kw) for i in range(n)]
 
 
-def ctx(*, request_id: str = "r", path: str = "/v1/chat/completions", model: str = "m",
-        stream: bool = False, session_key: str | None = None, body: bytes = b"",
-        headers: list[tuple[bytes, bytes]] | None = None,
-        payload: dict[str, object] | None = None, **more: Any) -> RequestContext:
-    """A parsed request; ``more`` sets the other ``RequestContext`` fields."""
-    return RequestContext(request_id=request_id, path=path, model=model, stream=stream,
-                          session_key=session_key, body=body, headers=headers or [],
-                          payload={} if payload is None else payload, **more)
+def request(*, request_id: str = "r", path: str = "/v1/chat/completions", model: str = "m",
+            stream: bool = False, session_key: str | None = None, body: bytes = b"",
+            headers: list[tuple[bytes, bytes]] | None = None,
+            payload: dict[str, object] | None = None, started: float = 0.0) -> Request:
+    """A parsed request."""
+    return Request(request_id=request_id, path=path, model=model, stream=stream,
+                   session_key=session_key, body=body, headers=headers or [],
+                   payload={} if payload is None else payload, started=started)
+
+
+def record(**kw: Any) -> Record:
+    """A fresh record of a request; ``kw`` as for ``request``."""
+    return Record(request(**kw))
 
 
 def raw_config(**sections: Any) -> dict[str, Any]:

@@ -119,7 +119,7 @@ class Admin:
         await read_body(request)
         if backend.name not in self._supervisors:
             # An external backend: back into rotation once health probes agree.
-            backend.state = BackendState.STARTING
+            backend.start_over()
             return JSONResponse({"backend": backend.name, "state": backend.state.value})
 
         async def start(s: Supervisor) -> None:

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.admin.body import read_body
-from gateway.canary.rollout import Canary, CanaryState
+from gateway.canary.rollout import Canary, CanaryState, Phase
 from gateway.errors import AdminError, NoCanary, UnknownAction
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -29,11 +29,12 @@ def who(request: Request, body: dict[str, Any]) -> str:
 
 class CanaryAdmin:
     def __init__(self, canary: Canary, guard: Callable[[Handler], Handler],
-                 reload: Reload) -> None:
+                 reload: Reload, publish: Publish | None = None) -> None:
+        """``publish`` shares a change with the other gateway processes (through Redis)."""
         self._canary = canary
         self._guard = guard
         self._reload = reload
-        self.publish: Publish | None = None  # set once Redis is up
+        self._publish = publish
 
     def routes(self) -> list[Route]:
         g = self._guard
@@ -62,20 +63,20 @@ class CanaryAdmin:
                 raise AdminError(f"give 'group' ({canary.stable} or {canary.group}) and "
                                  "'weight' (0-100)")
             weight = float(weight) if group == canary.group else 100.0 - float(weight)
-            changes = {"weight": weight, "phase": "manual", "step": -1}
+            changes = {"weight": weight, "phase": Phase.MANUAL, "step": -1}
         elif action == "promote":
-            changes = {"weight": 100.0, "phase": "promoted"}
+            changes = {"weight": 100.0, "phase": Phase.PROMOTED}
         elif action == "rollback":
-            changes = {"weight": 0.0, "phase": "rolled_back"}
+            changes = {"weight": 0.0, "phase": Phase.ROLLED_BACK}
         else:
             changes = {"paused": action == "pause"}
             if action == "resume" and canary.settings.rollout.enabled and (
-                    canary.state.phase == "manual"):
+                    canary.state.phase is Phase.MANUAL):
                 steps = canary.settings.rollout.steps
-                changes.update(phase="rolling", step=max(
+                changes.update(phase=Phase.ROLLING, step=max(
                     [i for i, s in enumerate(steps) if s <= canary.state.weight] or [0]))
         state = canary.change(operator, why or action, **changes)
-        shared = await self.publish(state) if self.publish is not None else False
+        shared = await self._publish(state) if self._publish is not None else False
         return JSONResponse({"state": state.to_dict(), "shared": bool(shared)})
 
     async def reload(self, request: Request) -> Response:

@@ -16,10 +16,10 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.backend import Backend, BackendState
+from backends.backend import Backend
 from backends.health import HealthChecker
 from backends.supervisor import Supervisor
-from gateway.canary.rollout import Canary
+from gateway.canary.rollout import Canary, Phase
 from gateway.config import Config
 from gateway.errors import GatewayError
 from gateway.resilience.breaker import Breakers
@@ -82,7 +82,7 @@ async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[s
 def _retire(parts: Reloadable, backend: Backend) -> asyncio.Future[object] | None:
     supervisor = parts.supervisors.pop(backend.name, None)
     if supervisor is None:
-        backend.state = BackendState.STOPPED
+        backend.stop()
         return None
     return background(parts, supervisor.drain_and_stop())
 
@@ -120,4 +120,5 @@ def _finished(parts: Reloadable, task: asyncio.Future[object]) -> None:
 def _canary(canary: Canary, old: Config, new: Config, who: str) -> None:
     canary.reconfigure(new.canary)
     if new.canary.weight != old.canary.weight:
-        canary.change(who, "config reload", weight=new.canary.weight, phase="manual", step=-1)
+        canary.change(who, "config reload", weight=new.canary.weight,
+                      phase=Phase.MANUAL, step=-1)

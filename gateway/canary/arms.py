@@ -14,7 +14,7 @@ import asyncio
 from gateway.canary.rollout import Canary
 from gateway.routing.pool import BackendPool
 from gateway.state.link import RedisLink
-from gateway.types import RequestContext
+from gateway.types import Record
 
 
 class ArmStore:
@@ -42,42 +42,43 @@ class ArmStore:
 
 
 class Arms:
-    """Puts each request in an arm (``ctx.group``) while a rollout is on."""
+    """Puts each request in an arm (``Record.group``) while a rollout is on."""
 
     def __init__(self, pool: BackendPool, canary: Canary, store: ArmStore | None = None) -> None:
         self._pool = pool
         self._canary = canary
-        self.store = store  # set once Redis is up
+        self.store = store
 
-    def assign(self, ctx: RequestContext) -> asyncio.Task[None] | None:
-        """Put the request in a canary arm (``ctx.group``): a session keeps the arm it was
-        first given while that arm has weight; other requests are drawn by weight.
+    def assign(self, record: Record) -> asyncio.Task[None] | None:
+        """Put the request in a canary arm (``record.group``): a session keeps the arm it
+        was first given while that arm has weight; other requests are drawn by weight.
 
         The drawn arm is set at once; for a session, the stored arm is checked by the task
         returned, which the caller awaits after starting its pin lookup, so that both go
-        to Redis in one round trip. The task may change ``ctx.group``."""
-        canary = self._canary
+        to Redis in one round trip. The task may change ``record.group``."""
+        canary, request = self._canary, record.request
         if not canary.enabled:
             return None
-        if ctx.session_key is None:
+        if request.session_key is None:
             drawn = canary.draw()
         else:
-            drawn = canary.draw_for(f"{ctx.model}:{ctx.session_key}")
-        if not self._pool.known_model(ctx.model, drawn):
+            drawn = canary.draw_for(f"{request.model}:{request.session_key}")
+        if not self._pool.known_model(request.model, drawn):
             other = canary.stable if drawn == canary.group else canary.group
-            ctx.group = other if self._pool.known_model(ctx.model, other) else None
+            record.group = other if self._pool.known_model(request.model, other) else None
             return None
-        ctx.group = drawn
-        if ctx.session_key is None or self.store is None:
+        record.group = drawn
+        if request.session_key is None or self.store is None:
             return None
-        return asyncio.ensure_future(self._confirm(ctx, self.store, drawn))
+        return asyncio.ensure_future(self._confirm(record, self.store, drawn))
 
-    async def _confirm(self, ctx: RequestContext, store: ArmStore, drawn: str) -> None:
-        key = f"{ctx.model}:{ctx.session_key}"
+    async def _confirm(self, record: Record, store: ArmStore, drawn: str) -> None:
+        request = record.request
+        key = f"{request.model}:{request.session_key}"
         answered, stored = await store.claim(key, drawn)
         if not answered or stored is None or stored == drawn:
             return
-        if self._canary.weight_of(stored) > 0 and self._pool.known_model(ctx.model, stored):
-            ctx.group = stored
+        if self._canary.weight_of(stored) > 0 and self._pool.known_model(request.model, stored):
+            record.group = stored
         else:  # its arm was removed: the session moves, once, and stays
             await store.move(key, drawn)

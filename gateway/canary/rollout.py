@@ -9,6 +9,7 @@ from what it saw.
 from __future__ import annotations
 
 import bisect
+import enum
 import hashlib
 import logging
 import random
@@ -28,6 +29,20 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0
                 5.0, 10.0, 30.0, 60.0, float("inf"))
 
 
+class Phase(enum.StrEnum):
+    MANUAL = "manual"  # the weight is set by hand (config or operator)
+    ROLLING = "rolling"  # the analysis steps it up
+    PROMOTED = "promoted"
+    ROLLED_BACK = "rolled_back"
+
+
+class Verdict(enum.StrEnum):
+    """What one step's windows say (a metric label too)."""
+
+    ADVANCE = "advance"
+    ROLLBACK = "rollback"
+
+
 @dataclass(frozen=True, slots=True)
 class CanaryState:
     """What every gateway process must agree on; shared as JSON with a version."""
@@ -35,7 +50,7 @@ class CanaryState:
     weight: float = 0.0  # canary percentage
     step: int = -1  # index into the rollout steps; -1 when set by hand
     paused: bool = False
-    phase: str = "manual"  # manual | rolling | promoted | rolled_back
+    phase: Phase = Phase.MANUAL
     version: int = 0
     by: str = "config"
     why: str = ""
@@ -46,7 +61,10 @@ class CanaryState:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CanaryState:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        if "phase" in fields:
+            fields["phase"] = Phase(fields["phase"])
+        return cls(**fields)
 
 
 @dataclass(slots=True)
@@ -89,17 +107,18 @@ class Window:
         return w
 
 
-def judge(stable: Window, canary: Window, elapsed: float, rules: RolloutSection) -> str | None:
-    """"rollback", "advance" or None (not enough evidence yet), from one step's windows."""
+def judge(stable: Window, canary: Window, elapsed: float,
+          rules: RolloutSection) -> Verdict | None:
+    """The verdict on one step's windows; None while there is not enough evidence yet."""
     if canary.requests < rules.min_requests:
         return None
     if canary.error_rate - stable.error_rate > rules.max_error_rate_increase:
-        return "rollback"
+        return Verdict.ROLLBACK
     c95, s95 = canary.ttft_p95(), stable.ttft_p95()
     if c95 is not None and s95 is not None and (
             c95 > s95 * rules.max_ttft_p95_ratio + rules.ttft_slack_ms / 1000):
-        return "rollback"
-    return "advance" if elapsed >= rules.interval else None
+        return Verdict.ROLLBACK
+    return Verdict.ADVANCE if elapsed >= rules.interval else None
 
 
 class Canary:
@@ -116,7 +135,7 @@ class Canary:
         rolling = settings.rollout.enabled
         start = settings.rollout.steps[0] if rolling and not settings.weight else settings.weight
         self.state = CanaryState(weight=start, step=0 if rolling else -1,
-                                 phase="rolling" if rolling else "manual", at=clock(),
+                                 phase=Phase.ROLLING if rolling else Phase.MANUAL, at=clock(),
                                  why="start")
         self._record(self.state)
         self._adopted()
@@ -212,22 +231,22 @@ class Canary:
                rollback_only: bool = False) -> CanaryState | None:
         """Apply the rollout rules to one step's windows; the new state, if any."""
         state, rules = self.state, self.settings.rollout
-        if not rules.enabled or state.paused or state.phase != "rolling":
+        if not rules.enabled or state.paused or state.phase is not Phase.ROLLING:
             return None
         verdict = judge(stable, canary, self._clock() - state.at, rules)
-        if verdict is None or (rollback_only and verdict != "rollback"):
+        if verdict is None or (rollback_only and verdict is not Verdict.ROLLBACK):
             return None
         self._metrics.canary_decisions.labels(verdict).inc()
         why = (f"canary {canary.requests} req, {canary.error_rate:.1%} errors, TTFT p95 "
                f"{_ms(canary.ttft_p95())}; stable {stable.requests} req, "
                f"{stable.error_rate:.1%} errors, TTFT p95 {_ms(stable.ttft_p95())}")
-        if verdict == "rollback":
+        if verdict is Verdict.ROLLBACK:
             return self.change("analysis", f"rolled back: {why}", weight=0.0,
-                               phase="rolled_back")
+                               phase=Phase.ROLLED_BACK)
         step = state.step + 1
         if step >= len(rules.steps):
-            return self.change("analysis", f"promoted: {why}", phase="promoted")
-        phase = "promoted" if rules.steps[step] >= 100 else "rolling"
+            return self.change("analysis", f"promoted: {why}", phase=Phase.PROMOTED)
+        phase = Phase.PROMOTED if rules.steps[step] >= 100 else Phase.ROLLING
         return self.change("analysis", f"step {step}: {why}", weight=rules.steps[step],
                            step=step, phase=phase)
 

@@ -15,7 +15,7 @@ from gateway.resilience.attempt import Attempt, judge
 from gateway.resilience.breaker import Outcome
 from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
-from gateway.types import RequestContext
+from gateway.types import Request
 from gateway.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("gateway.shadow")
@@ -35,16 +35,16 @@ class Shadow:
         self._timeout = timeout
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def mirror(self, ctx: RequestContext) -> asyncio.Task[None]:
-        copy = dataclasses.replace(ctx, group=self._canary.group, session_key=None,
-                                   shadow=None, request_id=ctx.request_id + "-shadow")
-        task = asyncio.create_task(self._run(copy), name="shadow")
+    def mirror(self, request: Request) -> asyncio.Task[None]:
+        copy = dataclasses.replace(request, session_key=None,
+                                   request_id=request.request_id + "-shadow")
+        task = asyncio.create_task(self._run(copy, self._canary.group), name="shadow")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _run(self, ctx: RequestContext) -> None:
-        ticket = await self._router.choose(ctx)
+    async def _run(self, request: Request, group: str) -> None:
+        ticket = await self._router.choose(request, group)
         if ticket is None:
             self._counter.labels("no_backend").inc()
             return
@@ -54,9 +54,9 @@ class Shadow:
             try:
                 async with asyncio.timeout(self._timeout):
                     resp = await self._upstream.request(
-                        "POST", backend.url + ctx.path,
-                        upstream_request_headers(ctx.headers, backend, ctx.request_id),
-                        self._pool.names.body_for(ctx, backend.spec.group))
+                        "POST", backend.url + request.path,
+                        upstream_request_headers(request.headers, backend, request.request_id),
+                        self._pool.names.body_for(request, backend.spec.group))
                     ticket.status = resp.status
                     try:
                         chunk = await resp.read()

@@ -71,7 +71,7 @@ class CanarySync:
         if raw:
             try:
                 remote = CanaryState.from_dict(orjson.loads(raw))
-            except (orjson.JSONDecodeError, TypeError):
+            except (orjson.JSONDecodeError, TypeError, ValueError):
                 remote = None
             if remote is not None and canary.adopt(remote, shared=True):
                 return True

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import orjson
 from starlette.types import Receive, Scope, Send
@@ -18,7 +17,7 @@ from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.canary.shadow import Shadow
 from gateway.canary.tally import Tally
-from gateway.config import Config
+from gateway.config import Config, SessionFrom
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -40,7 +39,7 @@ from gateway.resilience.degraded import Degraded
 from gateway.resilience.retry import RetryBudget, backoff
 from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
-from gateway.types import RequestContext
+from gateway.types import Record, Request
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
@@ -71,11 +70,7 @@ class Proxy:
         self._max_body = config.gateway.max_body_bytes
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
-        # (header name, None) or (None, body field), in the configured order
-        self._session_sources: list[tuple[bytes | None, str | None]] = [
-            (name.encode(), None) if kind == "header" else (None, name)
-            for kind, _, name in (s.partition(":") for s in config.routing.session_keys)
-        ]
+        self._session_sources = config.routing.session_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = request_id(scope)
@@ -89,31 +84,30 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         watcher = cancel_on_disconnect(receive)
-        ctx = None
+        record = None
         try:
-            ctx = self._context(scope, body, rid)
-            ctx.started = begun
-            await self._serve(ctx, send, deadline)
+            record = Record(self._request(scope, body, rid, begun))
+            await self._serve(record, send, deadline)
         except GatewayError as exc:
             await send_error(send, exc, rid)
-            if ctx is None:
+            if record is None:
                 self._log.rejected(rid, scope["path"], exc.status, loop.time() - begun)
             else:
-                ctx.status = exc.status
+                record.status = exc.status
         except asyncio.CancelledError:
             if watcher.done() and task.uncancel() == 0:
                 log.info("request %s: client disconnected, upstream cancelled", rid)
-                if ctx is not None:
-                    ctx.note = "client gone"
-                    if ctx.shadow is not None:
-                        ctx.shadow.cancel()  # the mirror goes with the client
+                if record is not None:
+                    record.note = "client gone"
+                    if record.shadow is not None:
+                        record.shadow.cancel()  # the mirror goes with the client
                 return
             raise
         finally:
             watcher.cancel()
             deadline.cancel()
-            if ctx is not None:
-                self._log.done(ctx, loop.time())
+            if record is not None:
+                self._log.done(record, loop.time())
 
     async def _read(self, scope: Scope, receive: Receive, send: Send, rid: str,
                     deadline: Deadline, begun: float) -> bytes | None:
@@ -134,7 +128,7 @@ class Proxy:
         self._log.rejected(rid, scope["path"], status, asyncio.get_running_loop().time() - begun)
         return None
 
-    def _context(self, scope: Scope, body: bytes, rid: str) -> RequestContext:
+    def _request(self, scope: Scope, body: bytes, rid: str, begun: float) -> Request:
         try:
             payload = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -145,7 +139,7 @@ class Proxy:
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required and must be a non-empty string")
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        return RequestContext(
+        return Request(
             request_id=rid,
             path=scope["path"],
             model=model,
@@ -154,17 +148,19 @@ class Proxy:
             body=body,
             headers=headers,
             payload=payload,
+            started=begun,
         )
 
     def _session_key(
         self, headers: list[tuple[bytes, bytes]], payload: dict[str, object]
     ) -> str | None:
-        for name, field in self._session_sources:
-            value: object = None
-            if name is not None:
-                value = next((v.decode("latin-1") for k, v in headers if k == name), None)
-            elif field is not None:
-                value = payload.get(field)
+        for source in self._session_sources:
+            value: object
+            if source.kind is SessionFrom.HEADER:
+                value = next((v.decode("latin-1") for k, v in headers if k == source.header),
+                             None)
+            else:
+                value = payload.get(source.name)
             if isinstance(value, str) and value:
                 if len(value) > self._max_session_key:
                     raise BadRequest(
@@ -172,67 +168,69 @@ class Proxy:
                 return value
         return None
 
-    async def _serve(self, ctx: RequestContext, send: Send, deadline: Deadline) -> None:
+    async def _serve(self, record: Record, send: Send, deadline: Deadline) -> None:
         loop = asyncio.get_running_loop()
+        request = record.request
         total = loop.time() + self._timeouts.total_timeout
         self._budget.deposit()
-        arm = self._arms.assign(ctx)  # the session's stored arm: with its pin, one trip
-        drawn = ctx.group  # the task may change it as soon as the pin lookup yields
+        arm = self._arms.assign(record)  # the session's stored arm: with its pin, one trip
+        drawn = record.group  # the task may change it as soon as the pin lookup yields
         if arm is None:
-            self._mirror(ctx)
+            self._mirror(record)
         tried: list[Backend] = []
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
-            ticket = await self._router.choose(ctx, tried)
+            ticket = await self._router.choose(request, record.group, tried)
             if arm is not None:
-                ticket = await self._settle_arm(ctx, arm, drawn, ticket)
+                ticket = await self._settle_arm(record, arm, drawn, ticket)
                 arm = None
             if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
                 break
             tried.append(ticket.backend)
-            with Attempt(ticket, ctx.started, self._tally.attempt):
+            with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
-                reply = await self._open(ticket.backend, ctx, deadline)
-                outcome, step = self._judge(reply, ticket, ctx, tried, n)
+                reply = await self._open(ticket.backend, request, deadline)
+                outcome, step = self._judge(reply, ticket, record, tried, n)
                 match step:
                     case Next.RETRY:
                         if reply is not None and not isinstance(reply, GatewayError):
                             log.info("request %s: backend %s answered %d, retrying elsewhere",
-                                     ctx.request_id, ticket.backend.name, reply.status)
+                                     request.request_id, ticket.backend.name, reply.status)
                             await reply.aclose(reuse=False)
                         continue
                     case Next.FAIL:
                         failure = reply if isinstance(reply, GatewayError) else None
                         break
                 assert reply is not None and not isinstance(reply, GatewayError)
-                if step is Next.DEGRADE and (found := await self._degraded.find(ctx)):
+                if step is Next.DEGRADE and (found := await self._degraded.find(request)):
                     await reply.aclose(reuse=False)
-                    await self._degraded.send(ctx, send, found, f"backend {ticket.backend.name}"
-                                              f" answered {reply.status}")
+                    await self._degraded.send(record, send, found,
+                                              f"backend {ticket.backend.name} answered "
+                                              f"{reply.status}")
                     return
                 deadline.stream(self._timeouts.idle_timeout, total)
-                await self._relay(reply, ticket, outcome, ctx, send, deadline)
+                await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
-        await self._exhausted(ctx, send, tried, failure)
+        await self._exhausted(record, send, tried, failure)
 
-    async def _settle_arm(self, ctx: RequestContext, arm: asyncio.Task[None],
+    async def _settle_arm(self, record: Record, arm: asyncio.Task[None],
                           drawn: str | None, ticket: Ticket | None) -> Ticket | None:
         """Wait for the session's stored arm; choose again in the rare case it is another
         group than the one drawn (a weight changed since the session began). Then mirror a
         stable request to the canary when shadowing is on."""
         await arm
-        if ctx.group != drawn:
+        if record.group != drawn:
             if ticket is not None:
                 ticket.done(Outcome.NEUTRAL)
-            ticket = await self._router.choose(ctx)
-        self._mirror(ctx)
+            ticket = await self._router.choose(record.request, record.group)
+        self._mirror(record)
         return ticket
 
-    def _mirror(self, ctx: RequestContext) -> None:
+    def _mirror(self, record: Record) -> None:
         """Stable traffic is mirrored to the canary while shadowing is on."""
-        if (self._canary.enabled and ctx.group == self._canary.stable
+        if (self._canary.enabled and record.group == self._canary.stable
                 and self._canary.shadow()):
-            ctx.shadow = self._shadow.mirror(ctx)
+            record.shadow = self._shadow.mirror(record.request)
 
     async def _back_off(self, n: int, total: float, loop: asyncio.AbstractEventLoop) -> bool:
         """Wait before attempt ``n``; False when the pause would outlast the request."""
@@ -243,7 +241,7 @@ class Proxy:
         return True
 
     def _judge(self, reply: UpstreamResponse | GatewayError | None, ticket: Ticket,
-               ctx: RequestContext, tried: list[Backend], n: int) -> tuple[Outcome, Next]:
+               record: Record, tried: list[Backend], n: int) -> tuple[Outcome, Next]:
         """The attempt's verdict (``judge``): a busy backend is skipped for its Retry-After,
         a retry is paid for only when the result is retriable, and a settled outcome is told
         to the breaker at once (the others when the relay ends)."""
@@ -259,33 +257,35 @@ class Proxy:
             ticket.status = reply.status
             busy = self._note_busy(reply, ticket.backend)
         retry = retriable(result) and self._may_retry(
-            ctx, tried, n, "connect" if result is Failed.CONNECT else str(result))
+            record, tried, n, "connect" if result is Failed.CONNECT else str(result))
         outcome, step = judge(result, busy, retry)
         if settled(result):
             ticket.done(outcome, cause)
         return outcome, step
 
-    async def _exhausted(self, ctx: RequestContext, send: Send, tried: list[Backend],
+    async def _exhausted(self, record: Record, send: Send, tried: list[Backend],
                          failure: GatewayError | None) -> None:
         """No attempt was relayed: an earlier reply, the error, or 503."""
-        if not tried and not self._pool.known_model(ctx.model):
-            raise ModelNotFound(f"The model `{ctx.model}` does not exist.")
+        model = record.request.model
+        if not tried and not self._pool.known_model(model):
+            raise ModelNotFound(f"The model `{model}` does not exist.")
         why = (failure.message if failure else
-               f"no backend for model {ctx.model!r} could be reached" if tried else
-               f"no healthy backend serves model {ctx.model!r}")
-        found = await self._degraded.find(ctx)
+               f"no backend for model {model!r} could be reached" if tried else
+               f"no healthy backend serves model {model!r}")
+        found = await self._degraded.find(record.request)
         if found is not None:
-            await self._degraded.send(ctx, send, found, why)
+            await self._degraded.send(record, send, found, why)
         elif failure is not None:
             raise failure
         else:
-            await self._degraded.unavailable(ctx, send, why)
+            await self._degraded.unavailable(record, send, why)
 
-    def _may_retry(self, ctx: RequestContext, tried: list[Backend], attempt: int,
+    def _may_retry(self, record: Record, tried: list[Backend], attempt: int,
                    reason: str) -> bool:
         """Commit to another attempt: one is left, another backend could take it, and the
         budget pays for it. Nothing reached the client yet, so a retry is invisible."""
-        if attempt >= self._timeouts.max_attempts or not self._router.can_retry(ctx, tried):
+        if attempt >= self._timeouts.max_attempts or not self._router.can_retry(
+                record.request, record.group, tried):
             return False
         if not self._budget.withdraw():
             self._metrics.retry_budget_exhausted.inc()
@@ -299,22 +299,23 @@ class Proxy:
         seconds = busy_for(resp.status, header(resp.headers, b"retry-after"))
         if not seconds:
             return False
-        backend.busy_until = time.monotonic() + seconds
+        backend.mark_busy(seconds)
         log.warning("backend %s busy: skipped for %.1f s (Retry-After)", backend.name, seconds)
         return True
 
     async def _open(
-        self, backend: Backend, ctx: RequestContext, deadline: Deadline
+        self, backend: Backend, request: Request, deadline: Deadline
     ) -> UpstreamResponse | GatewayError | None:
         """Send the request: the reply; None when no connection could be made (another
         backend may be tried); the error when it broke or no headers came in time."""
-        headers = upstream_request_headers(ctx.headers, backend, ctx.request_id)
-        body = self._pool.names.body_for(ctx, backend.spec.group)
+        headers = upstream_request_headers(request.headers, backend, request.request_id)
+        body = self._pool.names.body_for(request, backend.spec.group)
         try:
-            return await self._upstream.request("POST", backend.url + ctx.path, headers, body)
+            return await self._upstream.request("POST", backend.url + request.path, headers,
+                                                body)
         except ConnectFailed as exc:
-            log.warning("request %s: backend %s unreachable: %s", ctx.request_id, backend.name,
-                        exc)
+            log.warning("request %s: backend %s unreachable: %s", request.request_id,
+                        backend.name, exc)
             return None
         except UpstreamBroken as exc:
             return UpstreamUnavailable(f"backend {backend.name} failed: {exc}")

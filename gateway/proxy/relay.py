@@ -20,7 +20,7 @@ from gateway.metrics import Metrics
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.replies import ReplyCache
 from gateway.routing.pool import BackendPool
-from gateway.types import RequestContext
+from gateway.types import Record, Request, StreamCause
 from gateway.upstream import UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
@@ -46,42 +46,52 @@ class Relay:
         self._cache_max = cache_max
         self._metrics = metrics
 
-    def _rewrite(self, ctx: RequestContext, backend: Backend,
+    def _rewrite(self, request: Request, backend: Backend,
                  headers: list[tuple[bytes, bytes]]) -> ModelRewrite | None:
         """How the reply must change to name the client's model, or None (bytes pass as
         they are). An encoded body can't be rewritten; vLLM never encodes its replies."""
-        served = self._pool.names.served(ctx.model, backend.spec.group)
-        if served == ctx.model or header(headers, b"content-encoding") not in (b"", b"identity"):
+        served = self._pool.names.served(request.model, backend.spec.group)
+        if served == request.model or header(headers, b"content-encoding") not in (
+                b"", b"identity"):
             return None
-        return ModelRewrite(served, ctx.model)
+        return ModelRewrite(served, request.model)
 
     async def __call__(self, resp: UpstreamResponse, ticket: Ticket, outcome: Outcome,
-                       ctx: RequestContext, send: Send, deadline: Deadline) -> None:
+                       record: Record, send: Send, deadline: Deadline) -> None:
         """Relay ``resp``; ``outcome`` is told if it ends cleanly, FAILURE if it breaks."""
-        loop = asyncio.get_running_loop()
-        backend = ticket.backend
-        ctx.served_by, ctx.status = backend, resp.status
+        request, backend = record.request, ticket.backend
+        record.served_by, record.status = backend, resp.status
         stream = header(resp.headers, b"content-type").startswith(b"text/event-stream")
-        rewrite = self._rewrite(ctx, backend, resp.headers)
+        rewrite = self._rewrite(request, backend, resp.headers)
         if rewrite is not None and not stream:
-            await self._whole(resp, ticket, outcome, ctx, send, deadline, rewrite)
+            await self._whole(resp, ticket, outcome, record, send, deadline, rewrite)
             return
         await send({
             "type": "http.response.start",
             "status": resp.status,
-            "headers": client_response_headers(resp.headers, backend, ctx.request_id, stream),
+            "headers": client_response_headers(resp.headers, backend, request.request_id,
+                                               stream),
         })
         # Kept for the reply cache: the chunks relayed anyway, by reference, up to the cap.
-        parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(ctx) \
+        parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(request) \
             else None
-        room = self._cache_max
-        cause = None
-        reuse = False
-        chunks = 0
+        cause, parts = await self._chunks(resp, ticket, record, send, deadline, rewrite,
+                                          stream, parts)
+        await self._end(ticket, outcome, record, send, cause, parts, stream)
+
+    async def _chunks(
+        self, resp: UpstreamResponse, ticket: Ticket, record: Record, send: Send,
+        deadline: Deadline, rewrite: ModelRewrite | None, stream: bool,
+        parts: list[bytes] | None,
+    ) -> tuple[StreamCause | None, list[bytes] | None]:
+        """The per-chunk loop: why it ended early (None: the reply ended), and the parts
+        kept for the cache (None once over the cap)."""
+        room, chunks, reuse = self._cache_max, 0, False
+        cause: StreamCause | None = None
         tail = b""  # the end of a line split across chunks, for the in-band check
         try:
             chunk = await resp.read()
-            ctx.first_byte = ticket.first_byte = loop.time()
+            record.first_byte = ticket.first_byte = asyncio.get_running_loop().time()
             while chunk:
                 if rewrite is not None:
                     chunk = rewrite.feed(chunk)
@@ -93,7 +103,7 @@ class Relay:
                 chunks += 1
                 if stream and cause is None:
                     if INBAND_ERROR in chunk or (tail and INBAND_ERROR in tail + chunk[:INBAND]):
-                        cause = "inband"
+                        cause = StreamCause.INBAND
                     tail = b"" if chunk.endswith(b"\n") else (tail + chunk)[-INBAND:]
                 if parts is not None:
                     parts.append(chunk)
@@ -107,31 +117,33 @@ class Relay:
                     parts.append(rest)
             reuse = True
         except UpstreamBroken as exc:
-            cause = "dropped"
-            log.warning("request %s: backend %s: %s", ctx.request_id, backend.name, exc)
+            cause = StreamCause.DROPPED
+            log.warning("request %s: backend %s: %s", record.request.request_id,
+                        ticket.backend.name, exc)
         except asyncio.CancelledError:
             if not deadline.absorb():
                 raise
-            cause = "stalled"
+            cause = StreamCause.STALLED
         finally:
-            ctx.chunks, ctx.last_byte = chunks, deadline.last
+            record.chunks, record.last_byte = chunks, deadline.last
             await resp.aclose(reuse)
-        await self._end(ticket, outcome, ctx, send, cause, parts, stream)
+        return cause, parts
 
-    async def _end(self, ticket: Ticket, outcome: Outcome, ctx: RequestContext, send: Send,
-                   cause: str | None, parts: list[bytes] | None, stream: bool) -> None:
+    async def _end(self, ticket: Ticket, outcome: Outcome, record: Record, send: Send,
+                   cause: StreamCause | None, parts: list[bytes] | None, stream: bool) -> None:
         """The tail of a relay: the outcome, the reply kept, and the client told of a stream
         cut short (a non-streaming reply can only be cut: its length was promised)."""
         if cause is None:
             ticket.done(outcome)
             if parts is not None:
-                self._replies.keep(ctx, parts, stream)
+                self._replies.keep(record.request, parts, stream)
         else:
-            self._fail(ticket, ctx, cause)
-        if cause in ("dropped", "stalled"):
-            detail = "failed" if cause == "dropped" else "stalled"
+            self._fail(ticket, record, cause)
+        if cause in (StreamCause.DROPPED, StreamCause.STALLED):
+            detail = "failed" if cause is StreamCause.DROPPED else "stalled"
             name = ticket.backend.name
-            log.warning("request %s: backend %s %s mid-response", ctx.request_id, name, detail)
+            log.warning("request %s: backend %s %s mid-response", record.request.request_id, name,
+                        detail)
             if not stream:
                 raise StreamAborted(detail)
             event = sse_error_event(f"backend {name} {detail} mid-stream", "upstream_error", 502)
@@ -139,33 +151,33 @@ class Relay:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _whole(
-        self, resp: UpstreamResponse, ticket: Ticket, outcome: Outcome, ctx: RequestContext,
+        self, resp: UpstreamResponse, ticket: Ticket, outcome: Outcome, record: Record,
         send: Send, deadline: Deadline, rewrite: ModelRewrite,
     ) -> None:
         """A non-streaming reply whose body changes: read it whole, rewrite it, and send it
         with its new ``Content-Length``. Nothing went out yet when the backend breaks, so
         the client gets a clean 502 or 504 instead of a cut body."""
         loop = asyncio.get_running_loop()
-        backend = ticket.backend
+        request, backend = record.request, ticket.backend
         parts: list[bytes] = []
         reuse = False
         try:
             chunk = await resp.read()
-            ctx.first_byte = ticket.first_byte = loop.time()
+            record.first_byte = ticket.first_byte = loop.time()
             while chunk:
                 parts.append(chunk)
                 deadline.touch()
                 chunk = await resp.read()
             reuse = True
         except UpstreamBroken as exc:
-            log.warning("request %s: backend %s failed mid-reply: %s", ctx.request_id,
+            log.warning("request %s: backend %s failed mid-reply: %s", request.request_id,
                         backend.name, exc)
-            self._fail(ticket, ctx, "dropped")
+            self._fail(ticket, record, StreamCause.DROPPED)
             raise UpstreamUnavailable(f"backend {backend.name} failed mid-reply") from None
         except asyncio.CancelledError:
             if not deadline.absorb():
                 raise
-            self._fail(ticket, ctx, "stalled")
+            self._fail(ticket, record, StreamCause.STALLED)
             raise UpstreamTimeout(f"backend {backend.name} stalled mid-reply") from None
         finally:
             await resp.aclose(reuse)
@@ -173,16 +185,16 @@ class Relay:
         await send({
             "type": "http.response.start",
             "status": resp.status,
-            "headers": client_response_headers(resp.headers, backend, ctx.request_id, False,
+            "headers": client_response_headers(resp.headers, backend, request.request_id, False,
                                                len(body)),
         })
         await send({"type": "http.response.body", "body": body, "more_body": False})
-        ctx.chunks, ctx.last_byte = 1, loop.time()
+        record.chunks, record.last_byte = 1, loop.time()
         ticket.done(outcome)
-        if resp.status == 200 and len(body) <= self._cache_max and self._replies.wants(ctx):
-            self._replies.keep(ctx, [body], False)
+        if resp.status == 200 and len(body) <= self._cache_max and self._replies.wants(request):
+            self._replies.keep(request, [body], False)
 
-    def _fail(self, ticket: Ticket, ctx: RequestContext, cause: str) -> None:
-        ctx.note = f"stream {cause}"
+    def _fail(self, ticket: Ticket, record: Record, cause: StreamCause) -> None:
+        record.note = f"stream {cause}"
         ticket.done(Outcome.FAILURE, cause)
         self._metrics.stream_failures.labels(cause).inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from starlette.types import Send
 
@@ -16,11 +17,19 @@ from gateway.metrics import Metrics
 from gateway.resilience.replies import ReplyCache
 from gateway.resilience.sse import CHAT, unfold
 from gateway.resilience.sse import static_reply as static_body
-from gateway.types import RequestContext
+from gateway.types import Record, Request
 
 log = logging.getLogger("gateway.degraded")
 
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """An answer found without a backend: a completion body, and where it came from."""
+
+    body: bytes
+    kind: str  # "cache" | "static"
 
 
 class Degraded:
@@ -30,44 +39,44 @@ class Degraded:
         self._counter = metrics.degraded
         self.recent: deque[dict[str, object]] = deque(maxlen=20)  # for the status page
 
-    async def find(self, ctx: RequestContext) -> tuple[bytes, str] | None:
-        """The best answer without a backend: (completion body, "cache" | "static")."""
-        body = await self.cache.lookup(ctx)
+    async def find(self, request: Request) -> Fallback | None:
+        """The best answer without a backend: a reply kept earlier, else the static one."""
+        body = await self.cache.lookup(request)
         if body is not None:
-            return body, "cache"
+            return Fallback(body, "cache")
         message = self._settings.static_message
-        if message is not None and ctx.path in (CHAT, "/v1/completions"):
-            return static_body(ctx.path, ctx.model, message, ctx.request_id), "static"
+        if message is not None and request.path in (CHAT, "/v1/completions"):
+            return Fallback(static_body(request.path, request.model, message,
+                                        request.request_id), "static")
         return None
 
-    async def send(self, ctx: RequestContext, send: Send, found: tuple[bytes, str],
-                   why: str) -> None:
-        body, kind = found
+    async def send(self, record: Record, send: Send, found: Fallback, why: str) -> None:
+        request, body, kind = record.request, found.body, found.kind
         self._counter.labels(kind).inc()
-        ctx.status, ctx.note = 200, f"degraded {kind}"
-        self._remember(ctx, kind, why)
-        log.warning("request %s: degraded reply (%s): %s", ctx.request_id, kind, why)
-        headers = [(b"x-request-id", ctx.request_id.encode()),
+        record.status, record.note = 200, f"degraded {kind}"
+        self._remember(request, kind, why)
+        log.warning("request %s: degraded reply (%s): %s", request.request_id, kind, why)
+        headers = [(b"x-request-id", request.request_id.encode()),
                    (b"x-gateway-degraded", kind.encode())]
-        if ctx.stream and ctx.path != "/v1/embeddings":
-            options = ctx.payload.get("stream_options")
+        if request.stream and request.path != "/v1/embeddings":
+            options = request.payload.get("stream_options")
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-            body = unfold(ctx.path, body, include_usage)
+            body = unfold(request.path, body, include_usage)
             headers += [SSE, *STREAM_HEADERS]
         else:
             headers.append(JSON)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    def _remember(self, ctx: RequestContext, kind: str, why: str) -> None:
-        self.recent.appendleft({"at": time.time(), "id": ctx.request_id, "model": ctx.model,
-                                "kind": kind, "why": why})
+    def _remember(self, request: Request, kind: str, why: str) -> None:
+        self.recent.appendleft({"at": time.time(), "id": request.request_id,
+                                "model": request.model, "kind": kind, "why": why})
 
-    async def unavailable(self, ctx: RequestContext, send: Send, why: str) -> None:
+    async def unavailable(self, record: Record, send: Send, why: str) -> None:
         """Nothing to answer with: 503 and when to come back."""
         self._counter.labels("unavailable").inc()
         error = NoBackend(why)
-        ctx.status, ctx.note = error.status, "unavailable"
-        self._remember(ctx, "unavailable", why)
-        await send_json(send, error.status, error.body(), ctx.request_id,
+        record.status, record.note = error.status, "unavailable"
+        self._remember(record.request, "unavailable", why)
+        await send_json(send, error.status, error.body(), record.request.request_id,
                         [(b"retry-after", str(self._settings.retry_after).encode())])

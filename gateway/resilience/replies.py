@@ -26,7 +26,7 @@ from prometheus_client import Counter
 from gateway.config import DegradedSection
 from gateway.resilience.sse import fold
 from gateway.state.link import RedisLink
-from gateway.types import RequestContext
+from gateway.types import Request
 
 log = logging.getLogger("gateway.replies")
 
@@ -37,9 +37,9 @@ NOT_PART_OF_THE_QUESTION = frozenset({"stream", "stream_options", "user", "metad
                                       "service_tier", "request_id", "priority"})
 
 
-def cache_key(ctx: RequestContext) -> str:
-    question = {k: v for k, v in ctx.payload.items() if k not in NOT_PART_OF_THE_QUESTION}
-    digest = hashlib.sha256(ctx.path.encode() + b"\0" + orjson.dumps(
+def cache_key(request: Request) -> str:
+    question = {k: v for k, v in request.payload.items() if k not in NOT_PART_OF_THE_QUESTION}
+    digest = hashlib.sha256(request.path.encode() + b"\0" + orjson.dumps(
         question, option=orjson.OPT_SORT_KEYS)).hexdigest()
     return digest
 
@@ -48,24 +48,24 @@ class ReplyCache:
     def __init__(self, settings: DegradedSection, link: RedisLink | None = None,
                  dropped: Counter | None = None, queue_size: int = 1024) -> None:
         self._settings = settings
-        self.link = link  # set once Redis is up
+        self.link = link
         # key -> (monotonic expiry, body): the copy lives no longer than the Redis entry.
         self._local: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         # Writes wait here for the one writer, so a burst of finished replies can never
         # take the connections or the round trips that pin lookups need; past the bound
         # a reply is simply not kept (counted).
-        self._queue: asyncio.Queue[tuple[RequestContext, Sequence[bytes], bool]] = (
+        self._queue: asyncio.Queue[tuple[Request, Sequence[bytes], bool]] = (
             asyncio.Queue(queue_size))
         self._dropped = dropped
         self._writer: asyncio.Task[None] | None = None
 
-    def wants(self, ctx: RequestContext) -> bool:
+    def wants(self, request: Request) -> bool:
         """Cheap, on the request path: may this request's reply be kept?"""
-        if not self._settings.cache or ctx.path not in CACHEABLE_PATHS:
+        if not self._settings.cache or request.path not in CACHEABLE_PATHS:
             return False
-        if ctx.path == "/v1/embeddings":
+        if request.path == "/v1/embeddings":
             return True
-        payload = ctx.payload
+        payload = request.payload
         temperature = payload.get("temperature", 1.0)
         if temperature is None:
             temperature = 1.0
@@ -74,10 +74,10 @@ class ReplyCache:
         return temperature <= self._settings.cache_max_temperature and payload.get(
             "n", 1) in (1, None)
 
-    def keep(self, ctx: RequestContext, parts: Sequence[bytes], stream: bool) -> None:
+    def keep(self, request: Request, parts: Sequence[bytes], stream: bool) -> None:
         """Hand over a finished successful reply; the work happens in the writer task."""
         try:
-            self._queue.put_nowait((ctx, parts, stream))
+            self._queue.put_nowait((request, parts, stream))
         except asyncio.QueueFull:
             if self._dropped is not None:
                 self._dropped.inc()
@@ -99,14 +99,14 @@ class ReplyCache:
                 for _ in batch:
                     self._queue.task_done()
 
-    async def _keep(self, batch: list[tuple[RequestContext, Sequence[bytes], bool]]) -> None:
+    async def _keep(self, batch: list[tuple[Request, Sequence[bytes], bool]]) -> None:
         fresh: dict[str, bytes] = {}
-        for ctx, parts, stream in batch:
+        for request, parts, stream in batch:
             data = b"".join(parts)
-            body = fold(ctx.path, data) if stream else data
+            body = fold(request.path, data) if stream else data
             if body is None or len(body) > self._settings.cache_max_bytes:
                 continue
-            key = cache_key(ctx)
+            key = cache_key(request)
             if key not in fresh and self._is_fresh(key, body):
                 continue  # the same answer, written moments ago: nothing new to keep
             self._remember(key, body)
@@ -138,10 +138,10 @@ class ReplyCache:
         while len(self._local) > self._settings.local_entries:
             self._local.popitem(last=False)
 
-    async def lookup(self, ctx: RequestContext) -> bytes | None:
-        if not self.wants(ctx):
+    async def lookup(self, request: Request) -> bytes | None:
+        if not self.wants(request):
             return None
-        key = cache_key(ctx)
+        key = cache_key(request)
         if self.link is not None:
             answered, results = await self.link.execute(("GET", self.link.prefix + "reply:" + key))
             value = results[0] if answered else None

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import orjson
 
 from gateway.config import ModelRoute
-from gateway.types import RequestContext
+from gateway.types import Request
 
 
 class ModelNames:
@@ -23,12 +23,12 @@ class ModelNames:
         """The name clients use for what ``group`` serves as ``served``."""
         return self._client.get((group, served), served) if self._client else served
 
-    def body_for(self, ctx: RequestContext, group: str) -> bytes:
+    def body_for(self, request: Request, group: str) -> bytes:
         """The request body as ``group`` must see it (its own model name)."""
-        served = self.served(ctx.model, group)
-        if served == ctx.model:
-            return ctx.body
-        return orjson.dumps({**ctx.payload, "model": served})
+        served = self.served(request.model, group)
+        if served == request.model:
+            return request.body
+        return orjson.dumps({**request.payload, "model": served})
 
     def __bool__(self) -> bool:
         return bool(self._served)

@@ -6,7 +6,7 @@ those already tried; then the breaker admits the choice and hands out a ticket f
 outcome. When breakers would leave nothing, the panic rule may offer the least-bad
 backends instead. Pins live in Redis (``PinStore``); when Redis can't answer, sessions
 are spread by rendezvous hashing, which every gateway process computes the same way.
-The canary arm (``ctx.group``) is chosen before, by ``gateway.canary.arms``.
+The canary arm (``group``) is chosen before, by ``gateway.canary.arms``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gateway.resilience.breaker import Breakers, Ticket
 from gateway.routing.hashing import rendezvous
 from gateway.routing.pins import PinStore
 from gateway.routing.pool import BackendPool
-from gateway.types import Policy, RequestContext
+from gateway.types import Policy, Request
 
 
 class Router:
@@ -32,51 +32,49 @@ class Router:
         self._breakers = breakers
         self.pins_made: dict[str, int] = {}  # sessions this process pinned, per backend
         self._policy = policy
-        self.store = store if settings.sticky else None  # set once Redis is up
+        self.store = store if settings.sticky else None
         self._max_load = settings.session_max_load_factor
         self._sticky = metrics.sticky
 
-    async def choose(self, ctx: RequestContext, exclude: Sequence[Backend] = ()) -> (
-        Ticket | None
-    ):
-        """A backend admitted by its breaker, or None when there is none to try."""
+    async def choose(self, request: Request, group: str | None,
+                     exclude: Sequence[Backend] = ()) -> Ticket | None:
+        """A backend of ``group`` admitted by its breaker, or None when there is none."""
         exclude = list(exclude)
         while True:
-            candidates = [b for b in self._pool.candidates(ctx.model, ctx.group)
+            candidates = [b for b in self._pool.candidates(request.model, group)
                           if b not in exclude]
             if candidates:
-                backend = await self._pick(ctx, candidates)
+                backend = await self._pick(request, candidates)
                 ticket = self._breakers.admit(backend)
             else:
-                panic = self._panic(ctx, exclude)
+                panic = self._panic(request, group, exclude)
                 if not panic:
                     return None
-                backend = self._policy.choose(panic, ctx) or panic[0]
+                backend = self._policy.choose(panic, request)
                 ticket = self._breakers.admit(backend, panic=True)
             if ticket is not None:
                 return ticket
             # Its half-open probe slots filled up while we waited on Redis: look again.
             exclude.append(backend)
 
-    def can_retry(self, ctx: RequestContext, tried: Sequence[Backend]) -> bool:
+    def can_retry(self, request: Request, group: str | None,
+                  tried: Sequence[Backend]) -> bool:
         """Is there another backend an attempt could go to?"""
-        return any(b not in tried for b in self._pool.candidates(ctx.model, ctx.group)) or bool(
-            self._panic(ctx, tried))
+        return any(b not in tried for b in self._pool.candidates(request.model, group)) or bool(
+            self._panic(request, group, tried))
 
-    def _panic(self, ctx: RequestContext, exclude: Sequence[Backend]) -> list[Backend]:
+    def _panic(self, request: Request, group: str | None,
+               exclude: Sequence[Backend]) -> list[Backend]:
         return self._breakers.least_bad(
-            [b for b in self._pool.ejected(ctx.model, ctx.group) if b not in exclude])
+            [b for b in self._pool.ejected(request.model, group) if b not in exclude])
 
-    async def _pick(self, ctx: RequestContext, candidates: list[Backend]) -> Backend:
-        if ctx.session_key is None or self.store is None:
-            choice = self._policy.choose(candidates, ctx)
-            assert choice is not None
-            return choice
-        key = f"{ctx.model}:{ctx.session_key}"
+    async def _pick(self, request: Request, candidates: list[Backend]) -> Backend:
+        if request.session_key is None or self.store is None:
+            return self._policy.choose(candidates, request)
+        key = f"{request.model}:{request.session_key}"
         # Where the session goes if it is new, decided before asking: the claim and the
         # lookup are then one round trip. A pinned session takes its choice back.
-        choice = self._pin_policy.choose(candidates, ctx)
-        assert choice is not None
+        choice = self._pin_policy.choose(candidates, request)
         answered, pinned = await self.store.claim(key, choice.name)
         if answered and pinned is None:
             self._sticky.labels("miss").inc()
@@ -95,8 +93,8 @@ class Router:
         # The pinned backend is gone, unhealthy, draining, tried or overloaded: move the
         # session on purpose, and keep it where it lands.
         others = [b for b in candidates if b is not current] or candidates
-        choice = (self._policy if current is not None else self._pin_policy).choose(others, ctx)
-        assert choice is not None
+        policy = self._policy if current is not None else self._pin_policy
+        choice = policy.choose(others, request)
         await self.store.repin(key, choice.name)
         self._sticky.labels("repin" if current is None else "rebalance").inc()
         self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1

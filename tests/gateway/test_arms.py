@@ -51,17 +51,17 @@ def test_a_sessions_arm_and_pin_share_one_round_trip(server: RedisServer) -> Non
                         breakers)
         arms = Arms(pool, Canary(CanarySection(enabled=True, weight=50), metrics),
                     ArmStore(link, 60))
-        ctx = factories.ctx(session_key="conversation-1")
-        arm = arms.assign(ctx)
+        record = factories.record(session_key="conversation-1")
+        arm = arms.assign(record)
         assert arm is not None
-        ticket = await router.choose(ctx)
+        ticket = await router.choose(record.request, record.group)
         await arm
         assert ticket is not None
         trips = round_trips(metrics)
         stored_arm = await client.get("t:arm:m:conversation-1")
         pin = await client.get("t:pin:m:conversation-1")
         await link.aclose()
-        return trips, stored_arm, pin, ctx.group
+        return trips, stored_arm, pin, record.group
 
     trips, stored_arm, pin, group = asyncio.run(main())
     assert trips == 1

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load, parse
+from gateway.config import ConfigError, SessionFrom, load, parse
 from tests.factories import config, raw_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +65,21 @@ def test_defaults_allow_a_ten_minute_prefill() -> None:
     defaults = config()
     assert defaults.upstream.first_byte_timeout >= 600
     assert defaults.upstream.max_connections >= 1000
-    assert defaults.routing.session_keys == ("header:x-session-id", "body:user")
+    assert [str(s) for s in defaults.routing.session_keys] == ["header:x-session-id",
+                                                               "body:user"]
+
+
+def test_session_keys_are_parsed_once_into_sources() -> None:
+    header, body = config(routing={"session_keys": ["header:X-Conv", "body:User"]}
+                          ).routing.session_keys
+    assert (header.kind, header.name, header.header) == (SessionFrom.HEADER, "x-conv", b"x-conv")
+    assert (body.kind, body.name, body.header) == (SessionFrom.BODY, "User", b"")
+    with pytest.raises(ConfigError) as bad:
+        config(routing={"session_keys": ["cookie:x", "header:", 7]})
+    assert bad.value.problems == [
+        "routing.session_keys.0: must be 'header:NAME' or 'body:FIELD'",
+        "routing.session_keys.1: must be 'header:NAME' or 'body:FIELD'",
+        "routing.session_keys.2: must be a string, 'header:NAME' or 'body:FIELD'"]
 
 
 def test_bad_toml_and_missing_file(tmp_path: Path) -> None:

@@ -3,13 +3,13 @@ from __future__ import annotations
 from gateway.routing.hashing import rendezvous
 from gateway.routing.policies import PrefixAware, RoundRobin
 from gateway.routing.policies.prefix import prompt_head
-from gateway.types import RequestContext
+from gateway.types import Request
 from tests.factories import backends as pool
-from tests.factories import ctx
+from tests.factories import request
 
 
-def chat(system: str, user: str) -> RequestContext:
-    return ctx(payload={"messages": [{"role": "system", "content": system},
+def chat(system: str, user: str) -> Request:
+    return request(payload={"messages": [{"role": "system", "content": system},
                                      {"role": "user", "content": user}]})
 
 
@@ -25,7 +25,6 @@ def test_same_prefix_same_backend_until_it_is_overloaded() -> None:
     picks = {policy.choose(backends, chat(system, f"question {i}")) for i in range(10)}
     assert len(picks) == 1
     (home,) = picks
-    assert home is not None
     home.in_flight = 10  # far above the bounded-load cap for 4 backends
     moved = policy.choose(backends, chat(system, "one more"))
     assert moved in backends and moved is not home
@@ -51,5 +50,5 @@ def test_round_robin_ignores_load() -> None:
     backends = pool(3)
     backends[0].in_flight = 100
     policy = RoundRobin()
-    names = [policy.choose(backends, chat("s", "u")).name for _ in range(6)]  # type: ignore[union-attr]
+    names = [policy.choose(backends, chat("s", "u")).name for _ in range(6)]
     assert sorted(names) == ["b0", "b0", "b1", "b1", "b2", "b2"]

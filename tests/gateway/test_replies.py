@@ -8,15 +8,15 @@ import orjson
 
 from gateway.config import DegradedSection
 from gateway.resilience.replies import ReplyCache, cache_key
-from gateway.types import RequestContext
+from gateway.types import Request
 from tests import factories
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def ctx(path: str = "/v1/chat/completions", **payload: object) -> RequestContext:
+def ctx(path: str = "/v1/chat/completions", **payload: object) -> Request:
     body = {"model": "m", "messages": MESSAGES, **payload}
-    return factories.ctx(path=path, stream=bool(payload.get("stream")),
+    return factories.request(path=path, stream=bool(payload.get("stream")),
                          body=orjson.dumps(body), payload=body)
 
 
@@ -24,7 +24,7 @@ def test_the_key_ignores_delivery_fields_and_key_order() -> None:
     plain = cache_key(ctx(temperature=0))
     assert cache_key(ctx(temperature=0, stream=True, user="u",
                          stream_options={"include_usage": True})) == plain
-    reordered = factories.ctx(payload={"temperature": 0, "messages": MESSAGES, "model": "m"})
+    reordered = factories.request(payload={"temperature": 0, "messages": MESSAGES, "model": "m"})
     assert cache_key(reordered) == plain
 
 

@@ -19,7 +19,7 @@ from gateway.routing.policies import make_policy
 from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
 from gateway.state.link import RedisLink
-from gateway.types import RequestContext
+from gateway.types import Request
 from tests import factories
 from tests.helpers import RedisServer
 
@@ -35,8 +35,8 @@ def backends(n: int) -> list[Backend]:
     return factories.backends(n, ready=True, models={"m"})
 
 
-def ctx(session: str) -> RequestContext:
-    return factories.ctx(session_key=session)
+def ctx(session: str) -> Request:
+    return factories.request(session_key=session)
 
 
 def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
@@ -57,8 +57,8 @@ def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
     return asyncio.run(main()), metrics
 
 
-async def pick(router: Router, context: RequestContext) -> Backend | None:
-    ticket = await router.choose(context)
+async def pick(router: Router, request: Request) -> Backend | None:
+    ticket = await router.choose(request, None)
     return None if ticket is None else ticket.backend
 
 
@@ -100,7 +100,7 @@ def test_a_flushed_redis_just_means_new_pins(server: RedisServer) -> None:
 
 def test_requests_without_a_session_never_touch_redis(server: RedisServer) -> None:
     async def steps(router: Router, client: aioredis.Redis) -> list[str]:
-        plain = factories.ctx(path="/v1/completions")
+        plain = factories.request(path="/v1/completions")
         picks = [await pick(router, plain) for _ in range(4)]
         assert await client.dbsize() == 0
         return [b.name for b in picks if b is not None]

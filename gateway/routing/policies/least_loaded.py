@@ -6,16 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from backends.backend import Backend
-from gateway.types import RequestContext
+from gateway.types import Request
 
 
 class LeastLoaded:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
-        if not candidates:
-            return None
+    def choose(self, candidates: Sequence[Backend], request: Request) -> Backend:
         low = min(b.queue for b in candidates)
         tied = [b for b in candidates if b.queue == low]
         self._turn += 1

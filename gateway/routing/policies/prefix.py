@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from backends.backend import Backend
 from gateway.routing.hashing import ranked
-from gateway.types import RequestContext
+from gateway.types import Request
 
 
 def prompt_head(payload: dict[str, object], chars: int) -> bytes:
@@ -37,13 +37,11 @@ class PrefixAware:
         self._chars = chars
         self._factor = load_factor
 
-    def choose(self, candidates: Sequence[Backend], ctx: RequestContext) -> Backend | None:
-        if not candidates:
-            return None
+    def choose(self, candidates: Sequence[Backend], request: Request) -> Backend:
         # Bounded load: no backend takes more than factor x the average (counting this one).
         total = sum(b.in_flight for b in candidates) + 1
         cap = math.ceil(total * self._factor / len(candidates))
-        order = ranked(prompt_head(ctx.payload, self._chars), candidates)
+        order = ranked(prompt_head(request.payload, self._chars), candidates)
         return next((b for b in order if b.in_flight < cap), order[0])
 
     def rewind(self) -> None:
