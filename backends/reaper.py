@@ -91,7 +91,7 @@ def _copy_output(stream: object, log: logging.Logger) -> None:
         log.info(raw.decode("utf-8", "replace").rstrip("\n"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m backends.reaper")
     parser.add_argument("--log", type=Path, required=True)
     parser.add_argument("--max-bytes", type=int, default=10 * 1024 * 1024)
@@ -104,21 +104,46 @@ def main(argv: list[str] | None = None) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no command given")
+    return args, cmd
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    _prctl(libc, PR_SET_PDEATHSIG, signal.SIGTERM)
-    if args.parent and os.getppid() != args.parent:
-        return 1  # the gateway died before we could ask to be told
-    _prctl(libc, PR_SET_CHILD_SUBREAPER, 1)
 
-    args.log.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.handlers.RotatingFileHandler(
-        args.log, maxBytes=args.max_bytes, backupCount=args.backups)
+def _output_log(path: Path, max_bytes: int, backups: int) -> logging.Logger:
+    """The backend's output, rotated: one line per record, nothing added."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes,
+                                                   backupCount=backups)
     handler.setFormatter(logging.Formatter("%(message)s"))
     out = logging.getLogger("backend-output")
     out.addHandler(handler)
     out.setLevel(logging.INFO)
     out.propagate = False
+    return out
+
+
+def _wind_down(child: subprocess.Popen[bytes], grace: float) -> int:
+    """SIGTERM the family, SIGKILL what is left after ``grace``; the command's exit code."""
+    _signal_all(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and (child.poll() is None or _children(os.getpid())):
+        _reap_orphans(child.pid)
+        time.sleep(0.05)
+    _signal_all(child.pid, signal.SIGKILL)
+    code = child.wait()
+    deadline = time.monotonic() + 5
+    while _children(os.getpid()) and time.monotonic() < deadline:
+        _reap_orphans(child.pid)
+        time.sleep(0.02)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cmd = _arguments(argv)
+    libc = ctypes.CDLL(None, use_errno=True)
+    _prctl(libc, PR_SET_PDEATHSIG, signal.SIGTERM)
+    if args.parent and os.getppid() != args.parent:
+        return 1  # the gateway died before we could ask to be told
+    _prctl(libc, PR_SET_CHILD_SUBREAPER, 1)
+    out = _output_log(args.log, args.max_bytes, args.backups)
 
     # A flag, not a threading.Event: Event.set() from a signal handler can deadlock on the
     # lock that the interrupted Event.wait() holds.
@@ -136,17 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     while child.poll() is None and not stopping:
         _reap_orphans(child.pid)
         time.sleep(0.1)
-    _signal_all(child.pid, signal.SIGTERM)
-    deadline = time.monotonic() + args.grace
-    while time.monotonic() < deadline and (child.poll() is None or _children(os.getpid())):
-        _reap_orphans(child.pid)
-        time.sleep(0.05)
-    _signal_all(child.pid, signal.SIGKILL)
-    code = child.wait()
-    deadline = time.monotonic() + 5
-    while _children(os.getpid()) and time.monotonic() < deadline:
-        _reap_orphans(child.pid)
-        time.sleep(0.02)
+    code = _wind_down(child, args.grace)
     copier.join(timeout=2)
     if args.record is not None:
         args.record.unlink(missing_ok=True)  # the whole family is gone

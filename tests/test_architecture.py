@@ -1,5 +1,7 @@
 """The import graph, read from the source (AST, no tool): no circles, imports run one way
-between the gateway's subpackages, and ``backends`` never imports ``gateway``."""
+between the gateway's subpackages, and ``backends`` never imports ``gateway``. And sizes:
+a module you can hold in your head (400 lines), a function too (50, declarative tables
+excepted by name)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ FLOORS: list[set[str]] = [
     {"app", "build", "cli", "proxy", "__main__", "__init__"},  # the front door
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 50
+TABLES = {"gateway/metrics.py:Metrics.__init__"}  # the metric catalogue, one entry per metric
 SUBPACKAGES = {"http", "state", "upstream", "resilience", "routing", "canary", "observability",
                "admin"}
 
@@ -116,3 +121,40 @@ def test_the_checks_can_fail() -> None:
     assert wrong_way(fine) == []
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def too_long(path: Path, root: Path = REPO) -> list[str]:
+    """``path:Qualified.name (lines)`` for each function over the limit, and the module."""
+    text = path.read_text()
+    where = path.relative_to(root).as_posix()
+    out = [f"{where} ({n} lines)" for n in [len(text.splitlines())] if n > MAX_MODULE_LINES]
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{where}:{prefix}{child.name}"
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                if lines > MAX_FUNCTION_LINES and name not in TABLES:
+                    out.append(f"{name} ({lines} lines)")
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(text, str(path)), "")
+    return out
+
+
+def test_modules_and_functions_stay_small() -> None:
+    sources = sorted((REPO / "gateway").rglob("*.py")) + sorted((REPO / "backends").rglob("*.py"))
+    assert [entry for path in sources for entry in too_long(path)] == []
+
+
+def test_the_size_check_can_fail(tmp_path: Path) -> None:
+    body = "\n".join(f"        x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    long = tmp_path / "long.py"
+    long.write_text(f"class A:\n    def f(self) -> None:\n{body}\n" + "\n" * 400)
+    short = tmp_path / "short.py"
+    short.write_text("def f() -> None:\n    pass\n")
+    assert too_long(long, tmp_path) == [
+        "long.py (452 lines)", f"long.py:A.f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert too_long(short, tmp_path) == []
