@@ -6,10 +6,10 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
-import orjson
 from starlette.requests import Request
 
 from gateway.errors import AdminError
+from gateway.http.asgi import json_object
 
 Check = Callable[[object], bool]
 
@@ -52,12 +52,7 @@ async def read_body(request: Request, *allowed: str) -> dict[str, Any]:
     raw = await request.body()
     if not raw:
         return {}
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise AdminError(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise AdminError("the body must be a JSON object")
+    body = json_object(raw, AdminError, "the body")
     for name, value in body.items():
         if name not in allowed:
             takes = ", ".join(repr(a) for a in allowed) or "no fields"

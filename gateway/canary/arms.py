@@ -27,15 +27,8 @@ class ArmStore:
 
     async def claim(self, key: str, drawn: str) -> tuple[bool, str | None]:
         """(answered, the session's arm before this call); None means ``drawn`` was stored.
-        One round trip, shared with the request's pin claim (``SET NX GET`` + ``PEXPIRE``)."""
-        full = self._prefix + key
-        answered, results = await self._link.execute(
-            ("SET", full, drawn, "NX", "GET", "PX", self._ttl_ms, {"get": True}),
-            ("PEXPIRE", full, self._ttl_ms))
-        if not answered or isinstance(results[0], Exception):
-            return False, None
-        value = results[0]
-        return True, value.decode() if isinstance(value, bytes) else value
+        One round trip, shared with the request's pin claim."""
+        return await self._link.claim(self._prefix + key, drawn, self._ttl_ms)
 
     async def move(self, key: str, arm: str) -> None:
         await self._link.execute(("SET", self._prefix + key, arm, "PX", self._ttl_ms))

@@ -1,9 +1,12 @@
-"""Request ids and error replies, shared by the proxy, the middleware and the app."""
+"""Request ids, JSON bodies and error replies, shared by the proxy, the middleware, the app
+and the admin API."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import orjson
 from starlette.types import Scope, Send
 
 from gateway.errors import GatewayError
@@ -40,3 +43,14 @@ async def send_json(send: Send, status: int, body: bytes, rid: str,
 
 async def send_error(send: Send, error: GatewayError, rid: str) -> None:
     await send_json(send, error.status, error.body(), rid)
+
+
+def json_object(raw: bytes, error: type[GatewayError], what: str) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object, or ``error`` saying why not (``what`` names it)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise error(f"{what} must be a JSON object")
+    return value

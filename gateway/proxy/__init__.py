@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import orjson
 from starlette.types import Receive, Scope, Send
 
 from backends.asgi import BodyTooLarge, cancel_on_disconnect, read_body
@@ -27,7 +26,7 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from gateway.http.asgi import request_id, send_error
+from gateway.http.asgi import json_object, request_id, send_error
 from gateway.http.deadline import Deadline
 from gateway.http.headers import upstream_request_headers
 from gateway.metrics import Metrics
@@ -129,12 +128,7 @@ class Proxy:
         return None
 
     def _request(self, scope: Scope, body: bytes, rid: str, begun: float) -> Request:
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(payload, dict):
-            raise BadRequest("request body must be a JSON object")
+        payload = json_object(body, BadRequest, "request body")
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required and must be a non-empty string")

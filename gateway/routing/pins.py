@@ -6,9 +6,7 @@ back to consistent hashing meanwhile.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gateway.state.link import RedisLink
+from gateway.state.link import RedisLink, text
 
 
 class PinStore:
@@ -25,16 +23,8 @@ class PinStore:
         """Pin ``session`` to ``backend`` unless pinned already, and refresh the pin's TTL.
 
         Returns (answered, existing pin); (True, None) means our claim won. One round trip,
-        shared with every other request of this loop turn: ``SET key value NX GET PX ttl``
-        and ``PEXPIRE key ttl``.
-        """
-        key = self._prefix + session
-        answered, results = await self._link.execute(
-            ("SET", key, backend, "NX", "GET", "PX", self._ttl_ms, {"get": True}),
-            ("PEXPIRE", key, self._ttl_ms))
-        if not answered or isinstance(results[0], Exception):
-            return False, None
-        return True, _text(results[0])
+        shared with every other request of this loop turn."""
+        return await self._link.claim(self._prefix + session, backend, self._ttl_ms)
 
     async def get(self, session: str) -> tuple[bool, str | None]:
         """The session's pin, its TTL refreshed in the same round trip (GETEX)."""
@@ -42,15 +32,10 @@ class PinStore:
             ("GETEX", self._prefix + session, "PX", self._ttl_ms))
         if not answered or isinstance(results[0], Exception):
             return False, None
-        return True, _text(results[0])
+        return True, text(results[0])
 
     async def repin(self, session: str, backend: str) -> bool:
         answered, _ = await self._link.execute(
             ("SET", self._prefix + session, backend, "PX", self._ttl_ms))
         return answered
 
-
-def _text(value: Any) -> str | None:
-    if isinstance(value, bytes):
-        return value.decode()
-    return value if isinstance(value, str) else None

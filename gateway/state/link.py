@@ -41,6 +41,13 @@ FAILURES = (RedisError, OSError, TimeoutError)
 LAG_CAP = 50  # timeouts in all, at most, while the deadline's own timer keeps firing late
 
 
+def text(value: Any) -> str | None:
+    """A string reply as ``str`` (whether or not the client decodes), else None."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return value if isinstance(value, str) else None
+
+
 async def bounded(awaitable: Awaitable[Any], within: float) -> Any:
     """``await awaitable`` within ``within`` seconds of work by Redis, not of loop lag."""
     loop = asyncio.get_running_loop()
@@ -164,6 +171,17 @@ class RedisLink:
             if not future.done():  # its caller may have been cancelled meanwhile
                 future.set_result(results[at:at + len(commands)])
             at += len(commands)
+
+    async def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
+        """Set ``key`` to ``value`` unless it holds one already, and refresh its TTL either
+        way: (answered, what it held; None when ``value`` was stored). One shared round
+        trip: ``SET key value NX GET PX ttl`` and ``PEXPIRE key ttl``."""
+        answered, results = await self.execute(
+            ("SET", key, value, "NX", "GET", "PX", ttl_ms, {"get": True}),
+            ("PEXPIRE", key, ttl_ms))
+        if not answered or isinstance(results[0], Exception):
+            return False, None
+        return True, text(results[0])
 
     async def call(self, op: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
         """Run ``op`` against Redis: (True, result), or (False, None) when Redis can't answer."""
