@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,18 @@ class Sim:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+@contextlib.contextmanager
+def sim_group(tmp: Path, prefix: str, n: int, *options: str) -> Iterator[list[Sim]]:
+    """``n`` simulators named PREFIX0, PREFIX1..., stopped on the way out."""
+    started: list[Sim] = []
+    try:
+        started.extend(Sim(tmp, f"{prefix}{i}", *options) for i in range(n))
+        yield started
+    finally:
+        for sim in started:
+            sim.stop()
 
 
 class Gateway:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
+from tests.helpers import Gateway, Sim, backend_toml, http_ok, metric, sim_group, wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -25,10 +25,8 @@ SESSIONS = [f"s-{i}" for i in range(20)]
 
 @pytest.fixture(scope="module")
 def trio(tmp: Path) -> Iterator[list[Sim]]:
-    sims = [Sim(tmp, f"e{i}") for i in range(3)]
-    yield sims
-    for s in sims:
-        s.stop()
+    with sim_group(tmp, "e", 3) as started:
+        yield started
 
 
 def embedded_config(sims: list[Sim], data_dir: Path) -> str:

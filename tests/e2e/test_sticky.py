@@ -12,7 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Gateway, Load, RedisServer, Sim, backend_toml, http_ok, wait_for
+from tests.helpers import (
+    Gateway,
+    Load,
+    RedisServer,
+    Sim,
+    backend_toml,
+    http_ok,
+    sim_group,
+    wait_for,
+)
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
@@ -20,10 +29,8 @@ BODY = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "co
 
 @pytest.fixture(scope="module")
 def trio(tmp: Path) -> Iterator[list[Sim]]:
-    sims = [Sim(tmp, f"t{i}") for i in range(3)]
-    yield sims
-    for s in sims:
-        s.stop()
+    with sim_group(tmp, "t", 3) as started:
+        yield started
 
 
 def sticky_config(sims: list[Sim], redis_url: str, extra: str = "") -> str:
