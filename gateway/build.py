@@ -2,12 +2,13 @@
 
 Nothing here does I/O or needs a running loop: the Redis link is built before its server is
 up and answers "unavailable" until the lifespan opens it; the probes' HTTP session opens on
-first use. The app (``gateway.app``) only starts and stops what is built here, and routes.
+first use. The lifespan (``gateway.lifespan``) only starts and stops what is built here,
+and the app (``gateway.app``) only routes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
@@ -17,12 +18,14 @@ from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
 from backends.supervisor import Supervisor
 from gateway.admin.backends import Admin
-from gateway.admin.reload import Reloadable
+from gateway.admin.canary import CanaryAdmin
+from gateway.admin.reload import Reloadable, Reloader
 from gateway.canary.arms import Arms, ArmStore
 from gateway.canary.rollout import Canary
 from gateway.canary.sync import CanarySync
 from gateway.config import Config
 from gateway.metrics import Metrics
+from gateway.observability.routes import OpsRoutes
 from gateway.observability.status import Status
 from gateway.proxy import Proxy
 from gateway.resilience.breaker import Breakers, MetricsListener
@@ -63,10 +66,20 @@ class Parts:
     probe: HttpProbe
     checker: HealthChecker
     supervisors: dict[str, Supervisor]
-    admin: Admin
     status: Status
     reloadable: Reloadable
-    shared: SharedState | None = field(default=None)
+    shared: SharedState | None
+    operators: Operators
+
+
+@dataclass(frozen=True)
+class Operators:
+    """The operators' side: admin verbs, canary verbs, reload, the read-only routes."""
+
+    admin: Admin
+    canary: CanaryAdmin
+    reloader: Reloader
+    ops: OpsRoutes
 
 
 def shared_state(config: Config, metrics: Metrics, breakers: Breakers,
@@ -90,8 +103,8 @@ def shared_state(config: Config, metrics: Metrics, breakers: Breakers,
     return SharedState(link, embedded, breaker_sync, CanarySync(link, canary))
 
 
-def build(config: Config) -> Parts:
-    """Every part, whole, from ``config``."""
+def build(config: Config, path: str | None = None) -> Parts:
+    """Every part, whole, from ``config`` (read from ``path``, which a reload reads again)."""
     metrics = Metrics()
     breakers = Breakers(config.breaker, [spec.name for spec in config.backends],
                         [MetricsListener(metrics)])
@@ -119,11 +132,23 @@ def build(config: Config) -> Parts:
         return Supervisor(backend, config.supervisor, probe)
 
     supervisors = {b.name: supervise(b) for b in pool.backends if b.managed}
+    status = Status(pool, breakers, canary, router, degraded, supervisors, metrics)
+    reloadable = Reloadable(pool, breakers, canary, supervisors, supervise, checker)
+    operators = _operators(config, path, pool, supervisors, breakers, canary, status, metrics,
+                           reloadable, shared)
+    return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
+                 probe, checker, supervisors, status, reloadable, shared, operators)
+
+
+def _operators(config: Config, path: str | None, pool: BackendPool,
+               supervisors: dict[str, Supervisor], breakers: Breakers, canary: Canary,
+               status: Status, metrics: Metrics, reloadable: Reloadable,
+               shared: SharedState | None) -> Operators:
     admin_key = config.gateway.admin_key
     admin = Admin(pool, supervisors, breakers,
                   admin_key.get_secret_value() if admin_key else None,
                   config.supervisor.drain_timeout)
-    status = Status(pool, breakers, canary, router, degraded, supervisors, metrics)
-    reloadable = Reloadable(pool, breakers, canary, supervisors, supervise, checker)
-    return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
-                 probe, checker, supervisors, admin, status, reloadable, shared)
+    reloader = Reloader(reloadable, config, path)
+    canary_admin = CanaryAdmin(canary, admin.guard, reloader,
+                               shared.canary_sync.publish if shared is not None else None)
+    return Operators(admin, canary_admin, reloader, OpsRoutes(pool, status, metrics, admin.guard))

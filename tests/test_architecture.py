@@ -19,7 +19,7 @@ FLOORS: list[set[str]] = [
     {"canary"},
     {"observability"},
     {"admin"},
-    {"app", "build", "cli", "proxy", "__main__", "__init__"},  # the front door
+    {"app", "build", "cli", "lifespan", "proxy", "__main__", "__init__"},  # the front door
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 MAX_MODULE_LINES = 400

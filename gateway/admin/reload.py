@@ -20,8 +20,8 @@ from backends.backend import Backend
 from backends.health import HealthChecker
 from backends.supervisor import Supervisor
 from gateway.canary.rollout import Canary, Phase
-from gateway.config import Config
-from gateway.errors import GatewayError
+from gateway.config import Config, ConfigError, load
+from gateway.errors import GatewayError, NoConfigPath, ReloadRefused
 from gateway.resilience.breaker import Breakers
 from gateway.routing.pool import BackendPool
 
@@ -43,6 +43,30 @@ class Reloadable:
     background: set[asyncio.Future[object]] = field(default_factory=set)
 
 
+class Reloader:
+    """Reads the config file again and applies what can change while running."""
+
+    def __init__(self, parts: Reloadable, config: Config, path: str | None) -> None:
+        self._parts = parts
+        self.config = config  # the running config, replaced by each reload that applies
+        self.path = path
+
+    async def __call__(self, who: str) -> dict[str, Any]:
+        """Raises NoConfigPath or ReloadRefused (AdminErrors); the running config stays."""
+        if self.path is None:
+            raise NoConfigPath("the config path is unknown")
+        try:
+            new = await asyncio.to_thread(load, self.path)
+        except ConfigError as exc:
+            log.error("config reload by %s refused, the running config stays:\n%s", who,
+                      "\n".join(exc.problems))
+            raise ReloadRefused("invalid config; the running config stays",
+                                exc.problems) from None
+        summary = await apply(self._parts, self.config, new, who)
+        self.config = new
+        return {"reloaded": True, **summary}
+
+
 async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[str, object]:
     before = {b.name: b for b in parts.pool.backends}
     wanted = {spec.name: spec for spec in new.backends}
@@ -60,7 +84,7 @@ async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[s
         backends.append(backend)
         added.append(backend)
     removed += [b for name, b in before.items() if name not in wanted]
-    parts.pool.backends[:] = backends  # the same list the health checker walks
+    parts.pool.replace(backends)
     parts.pool.remap(new.models)
     retiring = {b.name: _retire(parts, b) for b in removed}
     for backend in added:

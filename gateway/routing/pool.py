@@ -18,8 +18,12 @@ class BackendPool:
                  allows: Callable[[Backend], bool] = _always,
                  names: ModelNames | None = None) -> None:
         self.backends = list(backends)
-        self.allows = allows  # the circuit breakers' say, wired in by the app
+        self.allows = allows  # the circuit breakers' say
         self.names = names or ModelNames()
+
+    def replace(self, backends: Sequence[Backend]) -> None:
+        """The backends after a reload, in place: the health checker walks the same list."""
+        self.backends[:] = backends
 
     def remap(self, routes: Sequence[ModelRoute]) -> None:
         """A new ``[[models]]`` map (a reload). Everyone asks the pool for it per request,

@@ -1,0 +1,108 @@
+"""The lifespan: starts what ``gateway.build`` built, in order, and stops it in reverse.
+
+Shared state first (the embedded valkey, the Redis link, breaker and canary sync), then the
+backends (supervisors, health checks, load scrapes) and the gauges; SIGHUP reloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+from backends.supervisor import start_in_turn
+from backends.vllm_metrics import LoadScraper, Nvml
+from gateway.admin.reload import background
+from gateway.build import Parts, SharedState
+from gateway.config import Config
+from gateway.state.embedded import EmbeddedRedisError, refuse_to_start
+
+log = logging.getLogger("gateway")
+
+
+class Lifespan:
+    def __init__(self, parts: Parts, config: Config) -> None:
+        self._parts = parts
+        self._config = config  # as at start: what a reload changes is applied by it
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, app: object) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            if self._parts.shared is not None:
+                await stack.enter_async_context(self._shared_state(self._parts.shared))
+            await stack.enter_async_context(self._backends())
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _shared_state(self, shared: SharedState) -> AsyncIterator[None]:
+        """Pins, arms, breaker openings, cached replies and the canary, through one link."""
+        if shared.embedded is not None:
+            try:
+                await shared.embedded.start()
+            except EmbeddedRedisError as exc:
+                path = self._parts.operators.reloader.path
+                refuse_to_start(f"{path or 'config'}: {exc.key}: {exc}")
+            log.info("embedded valkey on %s, data in %s", shared.embedded.url,
+                     shared.embedded.data_dir)
+        shared.link.open()
+        await shared.link.warm()
+        tasks = []
+        if shared.breaker_sync is not None:
+            tasks.append(asyncio.create_task(shared.breaker_sync.run(), name="breaker-sync"))
+        if self._parts.canary.enabled:
+            await shared.canary_sync.sync_once()  # the shared state before any request
+        tasks.append(asyncio.create_task(shared.canary_sync.run(), name="canary-sync"))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._parts.replies.aclose()
+            await shared.link.aclose()
+            if shared.embedded is not None:
+                await shared.embedded.stop()
+
+    @contextlib.asynccontextmanager
+    async def _backends(self) -> AsyncIterator[None]:
+        parts, reloadable = self._parts, self._parts.reloadable
+        if self._config.supervisor.sequential_start:
+            background(reloadable, start_in_turn(list(parts.supervisors.values())))
+        else:
+            for supervisor in parts.supervisors.values():
+                supervisor.start()
+        await parts.checker.check_all()
+        loops = [asyncio.create_task(parts.checker.run(), name="health"),
+                 asyncio.create_task(parts.operators.ops.refresh(), name="gauges"),
+                 *await self._load_scraper()]
+        reload = parts.operators.reloader
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().add_signal_handler(
+                signal.SIGHUP, lambda: background(reloadable, reload("SIGHUP")))
+        log.info("backends at start: %s", ", ".join(
+            f"{b.name}={b.state.value}" for b in parts.pool.backends))
+        try:
+            yield
+        finally:
+            for task in loops:
+                task.cancel()
+            for job in list(reloadable.background):
+                job.cancel()  # sequential starts and reload drains
+            await asyncio.gather(*loops, *reloadable.background, return_exceptions=True)
+            await asyncio.gather(*(s.stop() for s in parts.supervisors.values()))
+            await parts.upstream.aclose()
+            await parts.probe.aclose()
+
+    async def _load_scraper(self) -> list[asyncio.Task[None]]:
+        """The task scraping vLLM's /metrics (and the GPUs), when enabled."""
+        settings, backends = self._config.health, self._parts.pool.backends
+        if settings.metrics_interval <= 0:
+            return []
+        nvml = None
+        if any(b.spec.monitored_gpus for b in backends):
+            nvml = await asyncio.to_thread(Nvml)
+        scraper = LoadScraper(backends, self._parts.probe.session, settings.metrics_interval,
+                              settings.timeout, nvml, self._parts.status.loaded)
+        return [asyncio.create_task(scraper.run(), name="load")]
