@@ -33,9 +33,10 @@ def pinned(core: str | None, argv: list[str]) -> list[str]:
 
 
 def start(core: str | None, argv: list[str], log: Path,
-          cwd: Path | None = None) -> subprocess.Popen[bytes]:
-    # The code beside this bench, whatever the working directory and installed copy.
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+          cwd: Path | None = None, repo: Path = REPO) -> subprocess.Popen[bytes]:
+    """``argv`` running the code of ``repo`` (the one beside this bench unless another
+    checkout is given), whatever the working directory and the installed copy."""
+    path = os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH")) if p)
     return subprocess.Popen(pinned(core, argv), stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True, cwd=cwd, env={**os.environ, "PYTHONPATH": path})
 

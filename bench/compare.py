@@ -4,6 +4,11 @@ simulated backends, interleaved rounds, medians. Writes docs/BENCHMARKS.md and a
     bash bench/install_peers.sh          # once: nginx, vllm-router, litellm
     .venv/bin/python -m bench.compare    # ~12 minutes on 2 cores
 
+    # a change against the commit before it, interleaved round by round:
+    git worktree add /tmp/before HEAD~1
+    .venv/bin/python -m bench.compare --baseline /tmp/before --rounds 4 --levels 256 \
+        --targets direct "vllm-gateway default" --out /tmp/ab.md --raw /tmp/ab.json
+
 The gateway runs twice: in the default configuration (config.toml as shipped, url backends
 on the simulators) and trimmed (bench.targets.TRIMMED: no Redis, no access log).
 
@@ -14,6 +19,7 @@ A latency phase whose load core was saturated (>95 % busy) is marked and fails t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -65,6 +71,7 @@ STARTERS: dict[str, Starter] = {
 }
 # Every request of every phase, to every target: cacheable (temperature 0), and every other
 # one in a session, so the default gateway pins and keeps replies as it would in service.
+BASELINE = "vllm-gateway default (baseline)"
 WORKLOAD = ("--temperature", "0", "--sessions")
 REDIS_DOWN = "redis unavailable"
 
@@ -159,6 +166,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--plain-requests", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--raw", type=Path, default=Path("bench/results/compare.json"))
+    parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",
+                        help="another checkout of this repository (e.g. a git worktree of the "
+                             "commit before a change): its gateway, default config, is measured "
+                             f"as '{BASELINE}' in every round beside this one")
     parser.add_argument("--smoke", action="store_true",
                         help="seconds-long check: direct and both gateways, tiny loads, no docs")
     parser.add_argument("--report-only", action="store_true",
@@ -169,6 +180,15 @@ def arguments() -> argparse.Namespace:
         args.targets = ["direct", "vllm-gateway default", "vllm-gateway trimmed"]
         args.c1_requests, args.c64_requests, args.plain_requests = 3, 1, 1
         args.burst_requests = 1
+    if args.baseline is not None:
+        checkout = args.baseline.resolve()
+        if not (checkout / "gateway" / "__init__.py").is_file():
+            parser.error(f"--baseline {checkout}: not a checkout of this repository")
+        STARTERS[BASELINE] = lambda sims, tmp: dataclasses.replace(
+            targets.gateway(sims, tmp, trimmed=False, repo=checkout), name=BASELINE)
+        if BASELINE not in args.targets:
+            args.targets.insert(args.targets.index("vllm-gateway default") if
+                                "vllm-gateway default" in args.targets else 0, BASELINE)
     return args
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import PROXY_CORE, free_port, start, wait_http
+from bench.common import PROXY_CORE, REPO, free_port, start, wait_http
 
 PEERS = Path(__file__).parent / ".peers"
 MODELS = ("sim-model", "hold-model", "quick-model")
@@ -84,7 +84,7 @@ def gateway_config(sims: list[str], port: int, trimmed: bool, workers: int = 1) 
 
 
 def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str | None = PROXY_CORE,
-            trimmed: bool = True) -> Running:
+            trimmed: bool = True, repo: Path = REPO) -> Running:
     port = free_port()
     # Its own working directory: relative paths of the shipped config (logs/, Redis data)
     # land there, not in the repository.
@@ -92,7 +92,7 @@ def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str | None = PRO
     cfg = home / "gateway.toml"
     cfg.write_text(gateway_config(sims, port, trimmed, workers))
     proc = start(core, [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
-                 home / "gateway.log", cwd=home)
+                 home / "gateway.log", cwd=home, repo=repo)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/readyz")
     if workers > 1:  # every worker must have probed its backends before load starts
