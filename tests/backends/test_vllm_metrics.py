@@ -34,11 +34,11 @@ def backend(name: str, in_flight: int, load: LoadReport | None) -> Backend:
 
 
 def test_least_loaded_counts_what_other_clients_put_on_a_backend() -> None:
-    ctx = factories.ctx()
+    request = factories.request()
     busy_elsewhere = backend("a", 0, LoadReport(running=6, waiting=4))
     quiet = backend("b", 1, LoadReport(running=1, waiting=0))
     policy = LeastLoaded()
-    assert {policy.choose([busy_elsewhere, quiet], ctx).name for _ in range(4)} == {"b"}  # type: ignore[union-attr]
+    assert {policy.choose([busy_elsewhere, quiet], request).name for _ in range(4)} == {"b"}
     assert busy_elsewhere.queue == 10 and quiet.queue == 1
     assert backend("c", 3, None).queue == 3  # no report: our own count
 
