@@ -50,6 +50,11 @@ def _dies_with(libc: ctypes.CDLL, parent: int) -> Callable[[], None]:
     return arm
 
 
+def dies_with(parent: int) -> Callable[[], None]:
+    """A preexec_fn for any child that must not outlive ``parent`` (SIGTERM when it dies)."""
+    return _dies_with(ctypes.CDLL(None, use_errno=True), parent)
+
+
 def _write_record(path: Path, record: Record) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(record.dump())

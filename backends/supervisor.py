@@ -19,7 +19,7 @@ import random
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -65,9 +65,18 @@ async def start_in_turn(supervisors: list[Supervisor], poll: float = 0.5) -> Non
         log.info("backend %s: %s; starting the next one", backend.name, backend.state.value)
 
 
-async def drain(backend: Backend, within: float, poll: float = 0.05) -> bool:
-    """Take a backend out of rotation and wait for its in-flight requests to finish."""
+Settle = Callable[[], Awaitable[None]]
+
+
+async def drain(backend: Backend, within: float, poll: float = 0.05,
+                settle: Settle | None = None) -> bool:
+    """Take a backend out of rotation and wait for its in-flight requests to finish.
+
+    ``settle`` waits until whoever else counts its requests (other processes) has seen it
+    leave rotation, so that ``in_flight`` counts all of them."""
     backend.drain()
+    if settle is not None:
+        await settle()
     deadline = time.monotonic() + within
     # in_flight is a bare counter on the hot path; polling it during a drain costs nothing.
     while backend.in_flight and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -100,6 +109,7 @@ class Supervisor:
         probe: Probe,
         clock: Callable[[], float] = time.monotonic,
         jitter: Callable[[], float] = random.random,
+        settle: Settle | None = None,
     ) -> None:
         assert backend.spec.spawn is not None
         self.backend = backend
@@ -108,6 +118,7 @@ class Supervisor:
         self._probe = probe
         self._clock = clock
         self._jitter = jitter
+        self._settle = settle  # see drain()
         self._crashes: deque[float] = deque()
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
@@ -156,13 +167,15 @@ class Supervisor:
 
     async def drain_and_restart(self) -> bool:
         """Drain, then restart; True when every in-flight request finished first."""
-        drained = await drain(self.backend, self._settings.drain_timeout)
+        drained = await drain(self.backend, self._settings.drain_timeout,
+                              settle=self._settle)
         await self.restart()
         return drained
 
     async def drain_and_stop(self) -> bool:
         """Drain, then stop for good (the backend left the config)."""
-        drained = await drain(self.backend, self._settings.drain_timeout)
+        drained = await drain(self.backend, self._settings.drain_timeout,
+                              settle=self._settle)
         await self.stop()
         return drained
 

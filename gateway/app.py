@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.build import Parts, build
 from gateway.config import CONFIG_ENV, Config, load
+from gateway.control.role import Role
 from gateway.errors import StreamAborted, error_body
 from gateway.http.asgi import request_id, send_json
 from gateway.http.auth import ApiKeyAuth
@@ -65,8 +66,10 @@ class GatewayApp:
 
 
 def from_env() -> GatewayApp:
-    """The app factory each worker process calls (config path from the environment)."""
-    config = load(os.environ[CONFIG_ENV])
+    """The app factory each serving process calls (config path and role from the
+    environment)."""
+    path = os.environ[CONFIG_ENV]
+    config = load(path)
     if not logging.getLogger().handlers:  # a spawned worker: logging is not set up yet
         logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
-    return GatewayApp(config)
+    return GatewayApp(config, build(config, path, Role.from_env()))

@@ -9,6 +9,7 @@ and the app (``gateway.app``) only routes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
@@ -18,12 +19,15 @@ from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
 from backends.supervisor import Supervisor
 from gateway.admin.backends import Admin
-from gateway.admin.canary import CanaryAdmin
+from gateway.admin.canary import CanaryAdmin, Reload
 from gateway.admin.reload import Reloadable, Reloader
 from gateway.canary.arms import Arms, ArmStore
 from gateway.canary.rollout import Canary
 from gateway.canary.sync import CanarySync
 from gateway.config import Config
+from gateway.control.link import ControlLink, ForwardedAdmin
+from gateway.control.role import SINGLE, Kind, Role
+from gateway.control.server import Workers
 from gateway.metrics import Metrics
 from gateway.observability.routes import OpsRoutes
 from gateway.observability.status import Status
@@ -70,6 +74,9 @@ class Parts:
     reloadable: Reloadable
     shared: SharedState | None
     operators: Operators
+    role: Role
+    workers: Workers | None  # the control process: its serving workers
+    link: ControlLink | None  # a serving worker: its line to the control process
 
 
 @dataclass(frozen=True)
@@ -80,14 +87,17 @@ class Operators:
     canary: CanaryAdmin
     reloader: Reloader
     ops: OpsRoutes
+    reload: Reload  # what SIGHUP does: this process's reload, and in the control its workers'
 
 
 def shared_state(config: Config, metrics: Metrics, breakers: Breakers,
-                 canary: Canary) -> SharedState:
+                 canary: Canary, role: Role) -> SharedState:
     settings = config.redis
     embedded = None
     url = settings.url
-    if url == "embedded":
+    if url == "embedded" and role.redis_url is not None:
+        url = role.redis_url  # a worker: the control process runs the embedded server
+    elif url == "embedded":
         embedded = EmbeddedValkey(settings.embedded_log, settings.data_dir)
         url = embedded.url
     client = aioredis.from_url(
@@ -103,15 +113,16 @@ def shared_state(config: Config, metrics: Metrics, breakers: Breakers,
     return SharedState(link, embedded, breaker_sync, CanarySync(link, canary))
 
 
-def build(config: Config, path: str | None = None) -> Parts:
-    """Every part, whole, from ``config`` (read from ``path``, which a reload reads again)."""
+def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts:
+    """Every part, whole, from ``config`` (read from ``path``, which a reload reads again),
+    for the process ``role`` says this is (see ``gateway.control``)."""
     metrics = Metrics()
     breakers = Breakers(config.breaker, [spec.name for spec in config.backends],
                         [MetricsListener(metrics)])
     pool = BackendPool([Backend(spec) for spec in config.backends], breakers.allows,
                        ModelNames(config.models))
     canary = Canary(config.canary, metrics)
-    shared = shared_state(config, metrics, breakers, canary) if config.uses_redis else None
+    shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None
     ttl = config.routing.session_ttl
     router = Router(pool, make_policy(config.routing),
@@ -128,27 +139,45 @@ def build(config: Config, path: str | None = None) -> Parts:
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
 
+    supervisors: dict[str, Supervisor] = {}
+    workers = Workers(pool, supervisors) if role.kind is Kind.CONTROL else None
+    control = ControlLink(role.control, pool) if role.control is not None else None
+    settle = workers.settle if workers is not None else None
+
     def supervise(backend: Backend) -> Supervisor:
-        return Supervisor(backend, config.supervisor, probe)
+        return Supervisor(backend, config.supervisor, probe, settle=settle)
 
-    supervisors = {b.name: supervise(b) for b in pool.backends if b.managed}
+    if control is None:  # a worker's backends live in the control process
+        supervisors.update({b.name: supervise(b) for b in pool.backends if b.managed})
     status = Status(pool, breakers, canary, router, degraded, supervisors, metrics)
-    reloadable = Reloadable(pool, breakers, canary, supervisors, supervise, checker)
-    operators = _operators(config, path, pool, supervisors, breakers, canary, status, metrics,
-                           reloadable, shared)
+    reloadable = Reloadable(pool, breakers, canary, supervisors,
+                            supervise if control is None else None, checker)
+    operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
+                           shared, workers, control)
     return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
-                 probe, checker, supervisors, status, reloadable, shared, operators)
+                 probe, checker, supervisors, status, reloadable, shared, operators, role,
+                 workers, control)
 
 
-def _operators(config: Config, path: str | None, pool: BackendPool,
-               supervisors: dict[str, Supervisor], breakers: Breakers, canary: Canary,
-               status: Status, metrics: Metrics, reloadable: Reloadable,
-               shared: SharedState | None) -> Operators:
-    admin_key = config.gateway.admin_key
-    admin = Admin(pool, supervisors, breakers,
-                  admin_key.get_secret_value() if admin_key else None,
-                  config.supervisor.drain_timeout)
+def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,
+               canary: Canary, status: Status, metrics: Metrics, reloadable: Reloadable,
+               shared: SharedState | None, workers: Workers | None,
+               link: ControlLink | None) -> Operators:
+    key = config.gateway.admin_key
+    args = (pool, reloadable.supervisors, breakers, key.get_secret_value() if key else None,
+            config.supervisor.drain_timeout)
+    admin = (ForwardedAdmin(link, *args) if link is not None
+             else Admin(*args, settle=workers.settle if workers else None,
+                        trusted=workers is not None))
     reloader = Reloader(reloadable, config, path)
-    canary_admin = CanaryAdmin(canary, admin.guard, reloader,
+    reload: Reload = reloader
+    if workers is not None:
+        async def reload_all(who: str) -> dict[str, Any]:
+            summary = await reloader(who)
+            workers.hup()
+            return summary
+        reload = reload_all
+    canary_admin = CanaryAdmin(canary, admin.guard, link.reload if link is not None else reload,
                                shared.canary_sync.publish if shared is not None else None)
-    return Operators(admin, canary_admin, reloader, OpsRoutes(pool, status, metrics, admin.guard))
+    return Operators(admin, canary_admin, reloader, OpsRoutes(pool, status, metrics, admin.guard),
+                     reload)

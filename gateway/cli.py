@@ -33,40 +33,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from gateway import workers
     from gateway.errors import StreamAborted
 
     config = _load_or_exit(args.config)
     logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
     if not config.gateway.api_keys:
         log.warning("no [gateway] api_keys configured: the gateway is open to any client")
-    workers = config.gateway.workers
-    # Workers build the app from this path themselves (uvicorn starts them with spawn).
-    os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
-    if workers > 1:
-        # Each worker writes its metrics here; any worker's /metrics adds them all up.
-        import tempfile
-
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="vgw-metrics-")
-    uvicorn.run(
-        "gateway.app:from_env",
-        factory=True,
-        host=config.gateway.host,
-        port=config.gateway.port,
-        workers=workers if workers > 1 else None,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_config=None,
-        timeout_keep_alive=75,
-        backlog=4096,
-        server_header=False,
-        proxy_headers=False,
-    )
-    if workers > 1:
-        import shutil
-
-        shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+    path = str(Path(args.config).resolve())
+    processes = config.gateway.processes
+    if processes > 1:
+        return workers.serve(config, path, processes)
+    os.environ[CONFIG_ENV] = path  # the app factory reads the config from this path
+    uvicorn.run("gateway.app:from_env", factory=True, host=config.gateway.host,
+                port=config.gateway.port, **workers.UVICORN)
     return 0
 
 

@@ -6,6 +6,7 @@ Every problem is reported at once as ``dotted.key.path: message``.
 from __future__ import annotations
 
 import enum
+import os
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -26,6 +27,9 @@ from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
+# workers = "auto" stops here: each worker holds its own Redis and upstream connections and
+# probes every backend, and a proxy that needs more than 8 cores is rare.
+AUTO_WORKERS_CAP = 8
 
 
 class ConfigError(Exception):
@@ -109,7 +113,15 @@ class GatewaySection(Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     access_log: bool = Field(default=True, description="one log line per request (info)")
-    workers: int = Field(default=1, ge=1, le=64, description="worker processes")
+    # "auto": one serving process per core (up to AUTO_WORKERS_CAP), all behind one port.
+    workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+
+    @property
+    def processes(self) -> int:
+        """Serving processes: ``workers``, or for "auto" the usable cores up to the cap."""
+        if self.workers != "auto":
+            return self.workers
+        return max(1, min(len(os.sched_getaffinity(0)), AUTO_WORKERS_CAP))
 
     @property
     def host(self) -> str:
@@ -345,16 +357,6 @@ def parse(raw: dict[str, Any]) -> Config:
     problems.extend(_duplicate_names(raw))
     if config is not None:
         problems.extend(_duplicate_ports(config))
-    if (config is not None and config.gateway.workers > 1 and config.redis.url == "embedded"
-            and config.uses_redis):
-        problems.append("redis.url: workers > 1 share pins, breakers and cached replies through "
-                        "one Redis: give a redis:// URL, or turn those off (routing.sticky, "
-                        "breaker.share, degraded.cache)")
-    if config is not None and config.gateway.workers > 1 and any(
-        b.spawn for b in config.backends
-    ):
-        problems.append("gateway.workers: spawned backends need workers = 1 (the serving "
-                        "process supervises them); run them as url backends to use workers")
     if config is not None:
         problems.extend(_group_problems(config))
     if (config is not None and config.upstream.client == "httpx"

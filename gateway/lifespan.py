@@ -12,12 +12,15 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 
+import aiohttp
+
 from backends.supervisor import start_in_turn
 from backends.vllm_metrics import LoadScraper, Nvml
 from gateway.admin.reload import background
 from gateway.build import Parts, SharedState
 from gateway.config import Config
-from gateway.state.embedded import EmbeddedRedisError, refuse_to_start
+from gateway.control.role import Kind
+from gateway.state.embedded import EmbeddedRedisError, EmbeddedValkey, refuse_to_start
 
 log = logging.getLogger("gateway")
 
@@ -37,15 +40,17 @@ class Lifespan:
 
     @contextlib.asynccontextmanager
     async def _shared_state(self, shared: SharedState) -> AsyncIterator[None]:
-        """Pins, arms, breaker openings, cached replies and the canary, through one link."""
+        """Pins, arms, breaker openings, cached replies and the canary, through one link
+        (the control process only runs the embedded server, for its workers)."""
         if shared.embedded is not None:
+            await self._embedded(shared.embedded)
+        if self._parts.role.kind is Kind.CONTROL:
             try:
-                await shared.embedded.start()
-            except EmbeddedRedisError as exc:
-                path = self._parts.operators.reloader.path
-                refuse_to_start(f"{path or 'config'}: {exc.key}: {exc}")
-            log.info("embedded valkey on %s, data in %s", shared.embedded.url,
-                     shared.embedded.data_dir)
+                yield
+            finally:
+                if shared.embedded is not None:
+                    await shared.embedded.stop()
+            return
         shared.link.open()
         await shared.link.warm()
         tasks = []
@@ -65,6 +70,14 @@ class Lifespan:
             if shared.embedded is not None:
                 await shared.embedded.stop()
 
+    async def _embedded(self, embedded: EmbeddedValkey) -> None:
+        try:
+            await embedded.start()
+        except EmbeddedRedisError as exc:
+            path = self._parts.operators.reloader.path
+            refuse_to_start(f"{path or 'config'}: {exc.key}: {exc}")
+        log.info("embedded valkey on %s, data in %s", embedded.url, embedded.data_dir)
+
     @contextlib.asynccontextmanager
     async def _backends(self) -> AsyncIterator[None]:
         parts, reloadable = self._parts, self._parts.reloadable
@@ -73,11 +86,8 @@ class Lifespan:
         else:
             for supervisor in parts.supervisors.values():
                 supervisor.start()
-        await parts.checker.check_all()
-        loops = [asyncio.create_task(parts.checker.run(), name="health"),
-                 asyncio.create_task(parts.operators.ops.refresh(), name="gauges"),
-                 *await self._load_scraper()]
-        reload = parts.operators.reloader
+        loops = await self._serving_loops() if parts.role.kind is not Kind.CONTROL else []
+        reload = parts.operators.reload
         with contextlib.suppress(NotImplementedError, RuntimeError):
             asyncio.get_running_loop().add_signal_handler(
                 signal.SIGHUP, lambda: background(reloadable, reload("SIGHUP")))
@@ -94,6 +104,23 @@ class Lifespan:
             await asyncio.gather(*(s.stop() for s in parts.supervisors.values()))
             await parts.upstream.aclose()
             await parts.probe.aclose()
+            if parts.link is not None:
+                await parts.link.aclose()
+
+    async def _serving_loops(self) -> list[asyncio.Task[None]]:
+        """Health checks, gauges, load scrapes and, in a worker, the control link."""
+        parts = self._parts
+        if parts.link is not None:
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError,
+                                     KeyError):
+                await parts.link.sync_once()  # spawned backends' states before serving
+        await parts.checker.check_all()
+        loops = [asyncio.create_task(parts.checker.run(), name="health"),
+                 asyncio.create_task(parts.operators.ops.refresh(), name="gauges"),
+                 *await self._load_scraper()]
+        if parts.link is not None:
+            loops.append(asyncio.create_task(parts.link.run(), name="control-link"))
+        return loops
 
     async def _load_scraper(self) -> list[asyncio.Task[None]]:
         """The task scraping vLLM's /metrics (and the GPUs), when enabled."""

@@ -104,12 +104,18 @@ def sim_group(tmp: Path, prefix: str, n: int, *options: str) -> Iterator[list[Si
 
 class Gateway:
     def __init__(self, tmp: Path, config: str, name: str = "gw",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, workers: int | None = 1) -> None:
+        """``workers``: the scenario tests pin one serving process (their counts and
+        timings are per process) unless the config names its own; None keeps the default
+        ("auto": the control process and a worker per core), as the modules that test the
+        default do."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp / f"{name}.toml"
+        pinned = f"workers = {workers}\n" if workers and "workers =" not in config else ""
         self.config_path.write_text(
-            f'[gateway]\nlisten = "127.0.0.1:{self.port}"\n' + own_data_dir(config, tmp, name)
+            f'[gateway]\nlisten = "127.0.0.1:{self.port}"\n{pinned}'
+            + own_data_dir(config, tmp, name)
         )
         self.proc = Proc(["serve", "--config", str(self.config_path)], tmp / f"{name}.log", env)
 

@@ -19,14 +19,15 @@ FLOORS: list[set[str]] = [
     {"canary"},
     {"observability"},
     {"admin"},
-    {"app", "build", "cli", "lifespan", "proxy", "__main__", "__init__"},  # the front door
+    {"control"},
+    {"app", "build", "cli", "lifespan", "proxy", "workers", "__main__", "__init__"},  # front door
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50
 TABLES = {"gateway/metrics.py:Metrics.__init__"}  # the metric catalogue, one entry per metric
 SUBPACKAGES = {"http", "state", "upstream", "resilience", "routing", "canary", "observability",
-               "admin"}
+               "admin", "control"}
 
 
 def module_name(path: Path) -> str:

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from backends.backend import Backend, BackendState
-from backends.supervisor import Supervisor, drain
+from backends.supervisor import Settle, Supervisor, drain
 from gateway.admin.body import read_body
 from gateway.errors import AdminUnauthorized, BackendNotFound, GatewayError, NotSpawned
 from gateway.resilience.breaker import Breakers
@@ -27,12 +27,17 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 class Admin:
     def __init__(self, pool: BackendPool, supervisors: dict[str, Supervisor], breakers: Breakers,
-                 admin_key: str | None, drain_timeout: float) -> None:
+                 admin_key: str | None, drain_timeout: float, settle: Settle | None = None,
+                 trusted: bool = False) -> None:
+        """``trusted``: every caller may act (the control socket, private to its process's
+        user); ``settle``: see ``backends.supervisor.drain``."""
         self._pool = pool
         self._breakers = breakers
         self._supervisors = supervisors
         self._key = admin_key.encode() if admin_key else None
         self._drain_timeout = drain_timeout
+        self._settle = settle
+        self._trusted = trusted
 
     def routes(self) -> list[Route]:
         return [
@@ -60,6 +65,8 @@ class Admin:
         return guarded
 
     def _allowed(self, request: Request) -> bool:
+        if self._trusted:
+            return True
         if self._key is None:
             return request.client is not None and request.client.host in LOOPBACK
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -89,10 +96,15 @@ class Admin:
                 "restarts": b.restarts, "in_flight": b.in_flight, "last_probe": b.last_probe,
                 "flaps": b.flaps, "models": sorted(b.models),
                 "breaker": self._breakers.status(b.name),
-                "problem": s.problem if (s := self._supervisors.get(b.name)) else None,
+                "problem": self.problem(b.name),
             }
             for b in self._pool.backends
         ]})
+
+    def problem(self, name: str) -> str | None:
+        """Why a spawned backend was not started, if it was not."""
+        supervisor = self._supervisors.get(name)
+        return supervisor.problem if supervisor is not None else None
 
     async def drain(self, request: Request) -> Response:
         backend = self._backend(request)
@@ -100,7 +112,7 @@ class Admin:
         then = body.get("then", "none")
         timeout = float(body.get("timeout", self._drain_timeout))
         supervisor = self._supervisor(backend) if then != "none" else None
-        drained = await drain(backend, timeout)
+        drained = await drain(backend, timeout, settle=self._settle)
         if supervisor is not None and then == "restart":
             await supervisor.restart()
         elif supervisor is not None and then == "stop":

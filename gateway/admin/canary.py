@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from starlette.requests import Request
@@ -15,7 +15,7 @@ from gateway.errors import AdminError, NoCanary, UnknownAction
 
 Handler = Callable[[Request], Awaitable[Response]]
 Publish = Callable[[CanaryState], Awaitable[object]]
-Reload = Callable[[str], Awaitable[dict[str, Any]]]  # raises AdminError when refused
+Reload = Callable[[str], Coroutine[Any, Any, dict[str, Any]]]  # raises AdminError when refused
 ACTIONS = ("set", "promote", "rollback", "pause", "resume")
 OPERATOR = ("who", "why")
 

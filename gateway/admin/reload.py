@@ -38,7 +38,7 @@ class Reloadable:
     breakers: Breakers
     canary: Canary
     supervisors: dict[str, Supervisor]
-    make_supervisor: Callable[[Backend], Supervisor]
+    make_supervisor: Callable[[Backend], Supervisor] | None  # None: another process does
     checker: HealthChecker | None = None
     background: set[asyncio.Future[object]] = field(default_factory=set)
 
@@ -113,6 +113,8 @@ def _retire(parts: Reloadable, backend: Backend) -> asyncio.Future[object] | Non
 
 def _start_after(parts: Reloadable, backend: Backend,
                  predecessor: asyncio.Future[object] | None) -> None:
+    if parts.make_supervisor is None:
+        return  # a serving worker: the control process starts it, the link says when
     supervisor = parts.make_supervisor(backend)
     parts.supervisors[backend.name] = supervisor
 

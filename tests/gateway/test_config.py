@@ -1,12 +1,13 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, SessionFrom, load, parse
+from gateway.config import AUTO_WORKERS_CAP, ConfigError, SessionFrom, load, parse
 from tests.factories import config, raw_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,24 +124,22 @@ def test_a_backend_is_either_url_or_spawn() -> None:
     ]
 
 
-def test_workers_and_spawned_backends_do_not_mix() -> None:
-    assert problems({"gateway": {"workers": 2}, "redis": {"url": "redis://h:1"},
-                     "backends": [{"name": "a", "spawn": {"model": "m", "port": 8101}}]}) == [
-        "gateway.workers: spawned backends need workers = 1 (the serving process supervises "
-        "them); run them as url backends to use workers"]
+def test_workers_default_to_one_per_core_up_to_the_cap() -> None:
+    cores = len(os.sched_getaffinity(0))
+    default = config()
+    assert default.gateway.workers == "auto"
+    assert default.gateway.processes == max(1, min(cores, AUTO_WORKERS_CAP))
 
 
-def test_workers_need_a_shared_redis_for_pins() -> None:
-    assert problems(raw_config(gateway={"workers": 2})) == [
-        "redis.url: workers > 1 share pins, breakers and cached replies through one Redis: "
-        "give a redis:// URL, or turn those off (routing.sticky, breaker.share, "
-        "degraded.cache)"]
+def test_workers_mix_with_spawned_backends_and_the_embedded_redis() -> None:
+    both = parse({"gateway": {"workers": 3},
+                  "backends": [{"name": "a", "spawn": {"model": "m", "port": 8101}}]})
+    assert both.gateway.processes == 3 and both.redis.url == "embedded" and both.uses_redis
 
 
-def test_workers_with_embedded_redis_when_nothing_uses_it() -> None:
-    workers = config(gateway={"workers": 2}, routing={"sticky": False},
-                     breaker={"share": False}, degraded={"cache": False})
-    assert workers.gateway.workers == 2 and not workers.uses_redis
+def test_workers_is_a_count_or_auto() -> None:
+    assert problems(raw_config(gateway={"workers": 0}))[0].startswith("gateway.workers")
+    assert problems(raw_config(gateway={"workers": "many"}))[0].startswith("gateway.workers")
 
 
 def test_embedded_redis_data_dir_defaults_beside_the_working_directory() -> None:

@@ -22,7 +22,7 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("vllm")
     config = ("[health]\ninterval = 1.0\n[supervisor]\nbackoff_initial = 0.5\n"
               f'log_dir = "{tmp / "logs"}"\n' + vllm_backend("v1", 0) + vllm_backend("v2", 1))
-    gateway = Gateway(tmp, config, name="vllm")
+    gateway = Gateway(tmp, config, name="vllm", workers=None)  # the default: a worker per core
     try:
         wait_for(lambda: all(b["state"] == "ready" for b in status(gateway).values()), STARTUP,
                  "both vLLM instances ready", every=1.0)

@@ -1,0 +1,144 @@
+"""A serving worker's side of the control socket: adopt backends' lives, forward verbs.
+
+The worker reports its in-flight counts and its view of each backend every ``interval``
+and adopts each change of state the control process publishes (a change only: between
+changes, its own health probes decide whether a backend is ready or unhealthy). The admin
+verbs that change a backend's life, and reload, go to the control process, which owns them
+for every worker; status stays the worker's own view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from backends.backend import Backend, BackendState
+from gateway.admin.backends import Admin
+from gateway.errors import GatewayError
+from gateway.routing.pool import BackendPool
+
+log = logging.getLogger("gateway.control")
+
+OPERATOR_STATES = frozenset({BackendState.DRAINING, BackendState.STOPPED})
+BASE = "http://control"  # any host: the connector goes to the socket
+
+
+class ControlUnavailable(GatewayError):
+    status = 503
+    code = "control_unavailable"
+
+
+class Forwarded(GatewayError):
+    """The control process's own error answer, passed on as it came."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__("answered by the control process")
+        self.status = status
+        self._body = body
+
+    def body(self) -> bytes:
+        return self._body
+
+
+class ControlLink:
+    def __init__(self, path: str, pool: BackendPool, interval: float = 0.2) -> None:
+        self._path = path
+        self._pool = pool
+        self._interval = interval
+        self._session: aiohttp.ClientSession | None = None
+        self._seen: dict[str, tuple[Backend, str]] = {}  # the remote state last adopted
+        self.problems: dict[str, str | None] = {}
+        self._failing = False
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:  # opened on first use, inside the running loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self._path),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0))
+        return self._session
+
+    async def sync_once(self) -> None:
+        backends = {b.name: [b.in_flight, b.state.value] for b in self._pool.backends}
+        body = orjson.dumps({"pid": os.getpid(), "backends": backends})
+        async with self._http().post(BASE + "/control/sync", data=body,
+                                     timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
+            reply.raise_for_status()
+            self.adopt(orjson.loads(await reply.read())["backends"])
+
+    def adopt(self, published: dict[str, dict[str, Any]]) -> None:
+        for backend in self._pool.backends:
+            info = published.get(backend.name)
+            if info is None:
+                continue
+            state = info["state"]
+            seen = self._seen.get(backend.name)
+            fresh = seen is None or seen[0] is not backend
+            self._seen[backend.name] = (backend, state)
+            self.problems[backend.name] = info["problem"]
+            if fresh and not backend.managed and BackendState(state) not in OPERATOR_STATES:
+                continue  # a url backend's first sight: its own probes decide
+            if fresh or seen is None or seen[1] != state:
+                backend.adopt(BackendState(state), info["pid"], info["started_at"],
+                              info["restarts"])
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+                if self._failing:
+                    log.warning("control process reachable again")
+                self._failing = False
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
+                if not self._failing:
+                    log.error("control process unreachable: %r", exc)
+                self._failing = True
+            await asyncio.sleep(self._interval)
+
+    async def forward(self, request: Request) -> Response:
+        """An admin verb, answered by the control process."""
+        status, body = await self._call(request.method, request.url.path, await request.body())
+        return Response(body, status, media_type="application/json")
+
+    async def reload(self, who: str) -> dict[str, Any]:
+        """Reload in the control process, which then tells every worker."""
+        status, body = await self._call("POST", "/admin/reload", orjson.dumps({"who": who}))
+        if status != 200:
+            raise Forwarded(status, body)
+        reply: dict[str, Any] = orjson.loads(body)
+        return reply
+
+    async def _call(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        try:
+            async with self._http().request(method, BASE + path, data=body) as reply:
+                return reply.status, await reply.read()
+        except (aiohttp.ClientError, OSError) as exc:
+            log.error("control process unreachable for %s %s: %r", method, path, exc)
+            raise ControlUnavailable("the control process is unreachable") from None
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class ForwardedAdmin(Admin):
+    """A serving worker's admin API: status is its own view; what changes a backend's life
+    is done by the control process, for every worker at once."""
+
+    def __init__(self, link: ControlLink, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._link = link
+
+    def problem(self, name: str) -> str | None:
+        return self._link.problems.get(name)
+
+    async def drain(self, request: Request) -> Response:
+        return await self._link.forward(request)
+
+    restart = stop = start = rolling_restart = drain

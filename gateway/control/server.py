@@ -1,0 +1,107 @@
+"""The control process's side of the control socket: its workers, their reports, the routes.
+
+Each worker reports its in-flight requests and its view of every backend's state a few
+times a second (``POST /control/sync``) and gets back what the control process owns: each
+backend's life (state, pid, restarts, the supervisor's problem). A backend's in-flight count
+here is the sum over the workers, plus one for each worker that has not yet seen the
+backend leave rotation, so a drain (the same ``drain`` as in one process) waits for all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from backends.backend import BackendState
+from backends.supervisor import Supervisor
+from gateway.routing.pool import BackendPool
+
+log = logging.getLogger("gateway.control")
+
+OUT_OF_ROTATION = frozenset({BackendState.DRAINING.value, BackendState.STOPPED.value})
+Report = dict[str, tuple[int, str]]  # backend name -> (in flight, state as the worker sees it)
+
+
+class Workers:
+    """The serving workers as the control process knows them: pids and their last reports."""
+
+    def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool = pool
+        self._supervisors = supervisors  # the reloadable's own dict: a reload changes it
+        self._clock = clock
+        self._reports: dict[int, tuple[float, Report]] = {}
+        self.pids: set[int] = set()
+
+    def add(self, pid: int) -> None:
+        self.pids.add(pid)
+
+    def forget(self, pid: int) -> None:
+        """A worker ended: its requests ended with it."""
+        self.pids.discard(pid)
+        self._reports.pop(pid, None)
+        self._count()
+
+    def hup(self) -> None:
+        """Tell every worker to read the config again."""
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:
+                continue
+
+    def report(self, pid: int, report: Report) -> dict[str, dict[str, Any]]:
+        if pid in self.pids:
+            self._reports[pid] = (self._clock(), report)
+            self._count()
+        return self.published()
+
+    def published(self) -> dict[str, dict[str, Any]]:
+        """What the workers adopt: each backend's life as this process runs it."""
+        out = {}
+        for b in self._pool.backends:
+            supervisor = self._supervisors.get(b.name)
+            out[b.name] = {"state": b.state.value, "pid": b.pid, "started_at": b.started_at,
+                           "restarts": b.restarts,
+                           "problem": supervisor.problem if supervisor is not None else None}
+        return out
+
+    async def settle(self, within: float = 2.0, poll: float = 0.02) -> None:
+        """Wait until every worker has reported since now (so it has seen what changed)."""
+        start = self._clock()
+        deadline = start + within
+        while self._clock() < deadline and any(  # noqa: ASYNC110 (reports, not an event)
+                self._reports.get(pid, (start, {}))[0] <= start for pid in self.pids):
+            await asyncio.sleep(poll)
+        self._count()
+
+    def _count(self) -> None:
+        for backend in self._pool.backends:
+            leaving = backend.state.value in OUT_OF_ROTATION
+            total = 0
+            for pid in self.pids:
+                count, state = self._reports.get(pid, (0.0, {}))[1].get(backend.name, (0, ""))
+                total += count + (leaving and state not in OUT_OF_ROTATION)
+            backend.in_flight = total
+
+    def routes(self) -> list[Route]:
+        return [Route("/control/sync", self._sync, methods=["POST"])]
+
+    async def _sync(self, request: Request) -> Response:
+        data = orjson.loads(await request.body())
+        report = {name: (int(n), str(state)) for name, (n, state) in data["backends"].items()}
+        return Response(orjson.dumps({"backends": self.report(int(data["pid"]), report)}),
+                        media_type="application/json")
+
+    def __repr__(self) -> str:
+        return f"<Workers [{len(self.pids)} | reported {len(self._reports)}]>"
