@@ -46,7 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
         return workers.serve(config, path, processes)
     os.environ[CONFIG_ENV] = path  # the app factory reads the config from this path
     uvicorn.run("gateway.app:from_env", factory=True, host=config.gateway.host,
-                port=config.gateway.port, **workers.UVICORN)
+                port=config.gateway.port, **workers.uvicorn_options(config.gateway))
     return 0
 
 

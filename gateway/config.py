@@ -110,6 +110,11 @@ class GatewaySection(Section):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     # uvicorn alone lets a client trickle its body forever.
     body_timeout: float = Field(default=30.0, gt=0)
+    # ... and its request line and headers, of any size (gateway.http.server).
+    header_timeout: float = Field(default=10.0, gt=0, description="seconds to send the headers")
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, description="431 above")
+    max_connections: int = Field(default=0, ge=0, description="per process; 0 = from the "
+                                 "descriptor limit")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     access_log: bool = Field(default=True, description="one log line per request (info)")

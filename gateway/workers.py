@@ -30,9 +30,10 @@ from starlette.applications import Starlette
 
 from backends.reaper import dies_with
 from gateway.build import Parts, build
-from gateway.config import CONFIG_ENV, Config
+from gateway.config import CONFIG_ENV, Config, GatewaySection, load
 from gateway.control.role import Kind, Role
 from gateway.control.server import Workers
+from gateway.http.server import connection_cap, guarded
 from gateway.lifespan import Lifespan
 from gateway.metrics import MULTIPROC_ENV
 
@@ -44,6 +45,14 @@ UVICORN: dict[str, Any] = {
     "log_config": None, "timeout_keep_alive": 75, "backlog": 4096, "server_header": False,
     "proxy_headers": False,
 }
+
+
+def uvicorn_options(gateway: GatewaySection) -> dict[str, Any]:
+    """UVICORN, and the front door's limits (for a serving process: it sets its rlimit)."""
+    cap = connection_cap(gateway.max_connections)
+    return {**UVICORN, "http": guarded(gateway.header_timeout, gateway.max_header_bytes, cap)}
+
+
 QUICK_EXIT = 2.0  # a worker that dies sooner than this after its start waits before the next
 STOP_GRACE = 10.0  # beyond the drain timeout, before a worker that will not stop is killed
 
@@ -178,7 +187,8 @@ def serve(config: Config, path: str, processes: int) -> int:
 def worker(fd: int) -> None:
     """One serving worker: the app on the control process's socket."""
     sock = socket.socket(fileno=fd)
-    uvicorn.Server(uvicorn.Config("gateway.app:from_env", factory=True, **UVICORN)).run(
+    options = uvicorn_options(load(os.environ[CONFIG_ENV]).gateway)
+    uvicorn.Server(uvicorn.Config("gateway.app:from_env", factory=True, **options)).run(
         sockets=[sock])
 
 

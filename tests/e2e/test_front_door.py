@@ -1,0 +1,123 @@
+"""The front door's own limits (gateway.http.server), in the default process model: header
+deadline, header size cap, connection cap. Raw sockets, because no client library sends
+headers this slowly or this large on purpose."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import Gateway, Sim, backend_toml, http_ok, wait_for
+
+DEADLINE = 1.0
+
+
+@pytest.fixture(scope="module")
+def sim(tmp: Path) -> Iterator[Sim]:
+    backend = Sim(tmp, "fd")
+    yield backend
+    backend.stop()
+
+
+@pytest.fixture(scope="module")
+def gw(tmp: Path, sim: Sim) -> Iterator[Gateway]:
+    gateway = Gateway(tmp, f"header_timeout = {DEADLINE}\nmax_header_bytes = 8192\n"
+                      + backend_toml("a", sim.url), name="front", workers=None)
+    wait_for(lambda: http_ok(gateway.url + "/readyz"), 20, "gateway ready")
+    yield gateway
+    gateway.stop()
+
+
+def connect(gw: Gateway) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def test_a_client_that_sends_nothing_is_closed_at_the_deadline(gw: Gateway) -> None:
+    socks = [connect(gw) for _ in range(50)]
+    start = time.monotonic()
+    assert all(read_all(s) == b"" for s in socks)  # closed, nothing said
+    assert time.monotonic() - start < DEADLINE + 5
+
+
+def test_headers_sent_too_slowly_get_a_408_and_the_close(gw: Gateway) -> None:
+    slow = [connect(gw) for _ in range(50)]
+    for s in slow:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    start = time.monotonic()
+    # Meanwhile legitimate requests go on.
+    with httpx.Client(base_url=gw.url, timeout=10) as client:
+        for _ in range(10):
+            assert client.get("/healthz").status_code == 200
+    for s in slow:
+        reply = read_all(s)
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:80]
+        body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "request_timeout"
+    assert time.monotonic() - start < DEADLINE + 5
+
+
+def test_a_huge_header_is_431_and_never_reaches_the_backend(gw: Gateway, sim: Sim) -> None:
+    before = sim.stats()["completed"]
+    sock = connect(gw)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+            b"\r\nX-Big: ")
+
+    def send() -> None:
+        try:
+            sock.sendall(head + b"a" * (8 * 1024 * 1024) + b"\r\n\r\n{}")
+        except OSError:
+            pass  # the gateway stopped reading: expected
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    reply = read_all(sock)
+    sender.join(10)
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:80]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
+    assert sim.stats()["completed"] == before
+    assert httpx.get(gw.url + "/healthz").status_code == 200
+
+
+def test_headers_within_the_cap_and_a_large_body_pass(gw: Gateway) -> None:
+    body = {"model": "sim-model", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "x" * 500_000}]}
+    reply = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=30,
+                       headers={"x-filler": "y" * 6000})
+    assert reply.status_code == 200, reply.text
+
+
+def test_connections_over_the_cap_get_a_503_not_a_silent_reset(tmp: Path, sim: Sim) -> None:
+    gw = Gateway(tmp, "max_connections = 8\nheader_timeout = 30\n" + backend_toml("a", sim.url),
+                 name="capped")
+    try:
+        held = [connect(gw) for _ in range(8)]
+        wait_for(lambda: "connection refused" in _try_one(gw), 10, "a refusal past the cap")
+        refused = connect(gw)
+        reply = read_all(refused)
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in reply
+        assert "connection refused: 8 open connections" in gw.proc.output()
+        for s in held:
+            s.close()
+        wait_for(lambda: http_ok(gw.url + "/healthz"), 10, "served again below the cap")
+    finally:
+        gw.stop()
+
+
+def _try_one(gw: Gateway) -> str:
+    with connect(gw) as sock:
+        read_all(sock)
+    return gw.proc.output()
