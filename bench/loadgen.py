@@ -68,6 +68,7 @@ class Workload:
     sessions: bool = False
     session_pool: int = 0  # 0: a session per worker
     unique_share: float = 0.0
+    ignore_eos: bool = False  # vLLM: always max_tokens (a random-weight model may stop early)
 
     def _body(self, prompt: str) -> bytes:
         fields: dict[str, object] = {"model": self.model, "stream": self.stream,
@@ -75,6 +76,8 @@ class Workload:
                                      "messages": [{"role": "user", "content": prompt}]}
         if self.temperature is not None:
             fields["temperature"] = self.temperature
+        if self.ignore_eos:
+            fields["ignore_eos"] = True
         return json.dumps(fields).encode()
 
     def request(self, i: int, j: int) -> tuple[bytes, dict[str, str]]:
@@ -96,14 +99,15 @@ class Workload:
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"),
-                "mean": float("nan")}
+                "mean": float("nan"), "max": float("nan")}
     ordered = sorted(values)
 
     def at(q: float) -> float:
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 3)
 
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99),
-            "mean": round(statistics.fmean(ordered) * 1000, 3)}
+            "mean": round(statistics.fmean(ordered) * 1000, 3),
+            "max": round(ordered[-1] * 1000, 3)}
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: bytes,
