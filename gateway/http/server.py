@@ -2,15 +2,18 @@
 to send its request line and headers, how many header bytes it may send, and how many
 connections one process holds open.
 
-A subclass of uvicorn's httptools protocol (the parser stays httptools, in C): the header
-deadline runs from the connection's start, or from the end of the previous response on a
-kept-alive connection, to the end of the headers; past it the client gets a 408 (or, if it
-sent nothing, just the close) and the connection is closed. Between requests on a kept-alive
-connection, uvicorn's keep-alive timeout applies; the deadline starts with the next byte. Header bytes are counted as they
-arrive, before httptools buffers them: past the cap the client gets a 431 and nothing more
-is read (lingering a moment, so that the answer is not lost to a reset). A connection over
-the process's cap gets a 503 with Retry-After and is closed at once, with a log line (at
-most one a second).
+A subclass of uvicorn's httptools protocol (the parser stays httptools, in C). The header
+deadline runs from the connection's start, or on a kept-alive connection from the first
+byte of the next request (idle between requests is uvicorn's keep-alive timeout), to the end
+of the headers; past it the client gets a 408 (or, if it sent nothing, just the close) and
+the connection is closed. Header bytes are counted as they arrive, before httptools buffers
+them: past the cap the client gets a 431 and nothing more is read (lingering a moment, so
+that the answer is not lost to a reset). A connection over the process's cap gets a 503
+with Retry-After and is closed at once, with a log line (at most one a second).
+
+granian (2.8) sets the first two and caps connections by not accepting, but serves only
+sockets it binds itself (the control process hands its workers one bound socket), and its
+header deadline is also its keep-alive timeout (docs/BENCHMARKS.md, issue 18).
 """
 
 from __future__ import annotations
@@ -66,89 +69,97 @@ def connection_cap(configured: int) -> int:
     return max(16, (soft - RESERVED_FDS) // 2)
 
 
-def guarded(header_timeout: float, max_header_bytes: int,
-            max_connections: int) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with these limits (uvicorn.Config(http=...))."""
+class Guarded(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits below (set by ``guarded``)."""
 
-    class Guarded(HttpToolsProtocol):
-        _refused_logged = 0.0
+    header_timeout = 10.0
+    max_header_bytes = 64 * 1024
+    max_connections = 1024
+    _refused_logged = 0.0
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._reading_headers = True
-            self._refused = False
-            self._header_bytes = 0
-            self._deadline: asyncio.TimerHandle | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reading_headers = True
+        self._refused = False
+        self._header_bytes = 0
+        self._deadline: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= max_connections:
-                now = time.monotonic()
-                if now - Guarded._refused_logged >= 1.0:
-                    Guarded._refused_logged = now
-                    log.error("connection refused: %d open connections, the cap "
-                              "(gateway.max_connections)", len(self.connections))
-                transport.write(FULL)
-                transport.close()
-                return
-            super().connection_made(transport)
-            self._arm()  # a client that connects and sends nothing is closed too
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            now = time.monotonic()
+            if now - Guarded._refused_logged >= 1.0:
+                Guarded._refused_logged = now
+                log.error("connection refused: %d open connections, the cap "
+                          "(gateway.max_connections)", len(self.connections))
+            transport.write(FULL)
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._arm()  # a client that connects and sends nothing is closed too
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self.transport is None:  # refused in connection_made
-                return
-            self._disarm()
-            super().connection_lost(exc)
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is None:  # refused in connection_made
+            return
+        self._disarm()
+        super().connection_lost(exc)
 
-        def _arm(self) -> None:
-            self._deadline = self.loop.call_later(header_timeout, self._too_slow)
+    def _arm(self) -> None:
+        self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _too_slow(self) -> None:
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
             self._deadline = None
-            if self.transport.is_closing():
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self._header_bytes:
+            self._refuse(TOO_SLOW)
+        else:
+            self.transport.close()
+
+    def _refuse(self, reply: bytes) -> None:
+        """Answer, then drop what the client still sends until LINGER ends."""
+        self._disarm()
+        self._reading_headers = False
+        self._refused = True
+        self.transport.write(reply)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._reading_headers:
+            if self._deadline is None:  # a kept-alive connection's next request
+                self._arm()
+            end = data.find(END_OF_HEADERS)
+            self._header_bytes += len(data) if end < 0 else end
+            if self._header_bytes > self.max_header_bytes:
+                self._refuse(TOO_BIG)
                 return
-            if self._header_bytes:
-                self._refuse(TOO_SLOW)
-            else:
-                self.transport.close()
+        super().data_received(data)
 
-        def _refuse(self, reply: bytes) -> None:
-            """Answer, then drop what the client still sends until LINGER ends."""
-            self._disarm()
-            self._reading_headers = False
-            self._refused = True
-            self.transport.write(reply)
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self.loop.call_later(LINGER, self.transport.close)
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._reading_headers = False
+        super().on_headers_complete()
 
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            if self._reading_headers:
-                if self._deadline is None:  # a kept-alive connection's next request
-                    self._arm()
-                end = data.find(END_OF_HEADERS)
-                self._header_bytes += len(data) if end < 0 else end
-                if self._header_bytes > max_header_bytes:
-                    self._refuse(TOO_BIG)
-                    return
-            super().data_received(data)
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Idle until the next request is uvicorn's keep-alive timeout; its headers'
+        # deadline starts with its first byte.
+        self._reading_headers = True
+        self._header_bytes = 0
 
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            self._reading_headers = False
-            super().on_headers_complete()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            # Idle until the next request is uvicorn's keep-alive timeout; its headers'
-            # deadline starts with its first byte.
-            self._reading_headers = True
-            self._header_bytes = 0
 
-    return Guarded
+def guarded(header_timeout: float, max_header_bytes: int,
+            max_connections: int) -> type[Guarded]:
+    """The protocol class for uvicorn.Config(http=...) with these limits."""
+    limits = {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes,
+              "max_connections": max_connections}
+    return type("Guarded", (Guarded,), limits)
