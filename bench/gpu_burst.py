@@ -81,7 +81,7 @@ async def main_async(args: argparse.Namespace) -> None:
     targets = [("direct", args.vllm), *(t.split("=", 1) for t in args.target)]
     pids = [int(p) for p in args.api_server_pids.split(",") if p]
     with open(args.out, "a") as out:  # noqa: ASYNC230 (between runs, not during one)
-        for repeat in range(args.repeats):
+        for repeat in range(args.start, args.start + args.repeats):
             for size in args.sizes:
                 shift = repeat % len(targets)
                 for name, url in targets[shift:] + targets[:shift]:
@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--target", action="append", default=[], help="NAME=URL, repeatable")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--start", type=int, default=0, help="the first repeat's number")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--model", default="test")
     parser.add_argument("--sessions", action="store_true", default=True)

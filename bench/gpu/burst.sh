@@ -98,7 +98,7 @@ NGINX
 load() {  # SIZE streams, REPEATS rounds of the four targets
   $PY -m bench.gpu_burst --vllm http://127.0.0.1:8001 --target gateway=http://127.0.0.1:9000 \
     --target nginx=http://127.0.0.1:9100 --target vllm-router=http://127.0.0.1:9200 \
-    --sizes "${SIZE:-256}" --repeats "${REPEATS:-10}" --api-server-pids "$(api_server_pids)" \
+    --sizes "${SIZE:-256}" --repeats "${REPEATS:-10}" --start "${START:-0}" --api-server-pids "$(api_server_pids)" \
     --out "$OUT/burst.jsonl" >> "$OUT/burst.log" 2>&1
   tail -2 "$OUT/burst.log" | cut -c1-400
 }
