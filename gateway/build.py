@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
