@@ -101,8 +101,9 @@ def setup_text(rounds: int, redis: dict[str, list[dict[str, float]]], elapsed: f
             "simulators (they stand in for vLLM: this measures the proxy, not the model). "
             f"**vllm-gateway trimmed** is the same with {trimmed}: no Redis at all and no "
             "access-log lines. 'vllm-gateway trimmed x2' is trimmed with `workers = 2` on "
-            f"both cores, so it shares core {LOAD_CORE} with the load (two workers need a "
-            "shared `redis://` URL for the default features)"
+            f"both cores, so it shares core {LOAD_CORE} with the load. The default gateway, "
+            f"pinned to core {PROXY_CORE}, runs `workers = \"auto\"` as one process (one "
+            "usable core)"
             + (f"; {seen}" if seen else "")
             + f"; suite took {elapsed / 60:.1f} min")
 
