@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from typing import Annotated
 
 from pydantic import (
@@ -114,9 +115,22 @@ class BackendSpec(BaseModel):
         return self
 
     @property
+    def shown_url(self) -> str:
+        """``base_url`` as shown anywhere (admin API, status page, logs): no credentials."""
+        return redact(self.base_url)
+
+    @property
     def base_url(self) -> str:
         if self.spawn is not None:
             host = self.spawn.host if self.spawn.host not in ("0.0.0.0", "::") else "127.0.0.1"
             return f"http://{host}:{self.spawn.port}"
         assert self.url is not None
         return self.url
+
+
+def redact(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``***@``."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))

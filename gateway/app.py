@@ -42,7 +42,7 @@ class GatewayApp:
             lifespan=Lifespan(parts, config),
         )
         keys = [k.get_secret_value() for k in config.gateway.api_keys]
-        self._guarded = Http10Framing(ApiKeyAuth(self._dispatch, keys))
+        self._guarded = Http10Framing(ApiKeyAuth(self._dispatch, keys, operators.refusals))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._guarded(scope, receive, send)

@@ -28,6 +28,7 @@ from gateway.config import Config
 from gateway.control.link import ControlLink, ForwardedAdmin
 from gateway.control.role import SINGLE, Kind, Role
 from gateway.control.server import Workers
+from gateway.http.auth import Refusals
 from gateway.metrics import Metrics
 from gateway.observability.routes import OpsRoutes
 from gateway.observability.status import Status
@@ -88,6 +89,7 @@ class Operators:
     reloader: Reloader
     ops: OpsRoutes
     reload: Reload  # what SIGHUP does: this process's reload, and in the control its workers'
+    refusals: Refusals  # refused credentials, API and admin keys alike
 
 
 def shared_state(config: Config, metrics: Metrics, breakers: Breakers,
@@ -166,9 +168,10 @@ def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Br
     key = config.gateway.admin_key
     args = (pool, reloadable.supervisors, breakers, key.get_secret_value() if key else None,
             config.supervisor.drain_timeout)
-    admin = (ForwardedAdmin(link, *args) if link is not None
+    refusals = Refusals(metrics.auth_failures)
+    admin = (ForwardedAdmin(link, *args, refusals=refusals) if link is not None
              else Admin(*args, settle=workers.settle if workers else None,
-                        trusted=workers is not None))
+                        trusted=workers is not None, refusals=refusals))
     reloader = Reloader(reloadable, config, path)
     reload: Reload = reloader
     if workers is not None:
@@ -179,5 +182,6 @@ def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Br
         reload = reload_all
     canary_admin = CanaryAdmin(canary, admin.guard, link.reload if link is not None else reload,
                                shared.canary_sync.publish if shared is not None else None)
-    return Operators(admin, canary_admin, reloader, OpsRoutes(pool, status, metrics, admin.guard),
-                     reload)
+    ops = OpsRoutes(pool, status, metrics, admin.guard, admin.allowed,
+                    config.gateway.public_metrics)
+    return Operators(admin, canary_admin, reloader, ops, reload, refusals)

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    IPvAnyNetwork,
     PlainValidator,
     ValidationError,
     field_validator,
@@ -99,6 +100,7 @@ SessionKey = Annotated[SessionSource, PlainValidator(_session_source)]
 RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
 
 
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -108,6 +110,8 @@ class GatewaySection(Section):
     api_keys: tuple[Secret, ...] = ()
     admin_key: Secret | None = None
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # Request bodies held by one process at any moment (each kept until its request ends).
+    max_buffered_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
     # uvicorn alone lets a client trickle its body forever.
     body_timeout: float = Field(default=30.0, gt=0)
     # ... and its request line and headers, of any size (gateway.http.server).
@@ -115,6 +119,11 @@ class GatewaySection(Section):
     max_header_bytes: int = Field(default=64 * 1024, ge=1024, description="431 above")
     max_connections: int = Field(default=0, ge=0, description="per process; 0 = from the "
                                  "descriptor limit")
+    # Peers whose X-Forwarded-For is believed (addresses or networks); see http.forwarded.
+    trusted_proxies: tuple[IPvAnyNetwork, ...] = ()
+    # /metrics, /dashboard and /readyz's detail open to anyone (true), or behind the admin
+    # key (false; loopback only when no admin key is set), like /admin.
+    public_metrics: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     access_log: bool = Field(default=True, description="one log line per request (info)")

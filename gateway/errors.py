@@ -68,6 +68,13 @@ class NoBackend(GatewayError):
     code = "no_backend_available"
 
 
+class Overloaded(GatewayError):
+    """Too many request bytes held at once by this process (``max_buffered_bytes``)."""
+
+    status = 503
+    code = "overloaded"
+
+
 class UpstreamUnavailable(GatewayError):
     status = 502
     kind = "bad_gateway"

@@ -20,6 +20,7 @@ from gateway.admin.reload import background
 from gateway.build import Parts, SharedState
 from gateway.config import Config
 from gateway.control.role import Kind
+from gateway.http.server import REFUSED
 from gateway.state.embedded import EmbeddedRedisError, EmbeddedValkey, refuse_to_start
 
 log = logging.getLogger("gateway")
@@ -31,12 +32,13 @@ class Lifespan:
         self._config = config  # as at start: what a reload changes is applied by it
 
     @contextlib.asynccontextmanager
-    async def __call__(self, app: object) -> AsyncIterator[None]:
+    async def __call__(self, app: object) -> AsyncIterator[dict[str, object]]:
+        """Yields the server's state: what its connections count (gateway.http.server)."""
         async with contextlib.AsyncExitStack() as stack:
             if self._parts.shared is not None:
                 await stack.enter_async_context(self._shared_state(self._parts.shared))
             await stack.enter_async_context(self._backends())
-            yield
+            yield {REFUSED: self._parts.metrics.connections_refused}
 
     @contextlib.asynccontextmanager
     async def _shared_state(self, shared: SharedState) -> AsyncIterator[None]:

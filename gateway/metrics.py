@@ -48,6 +48,12 @@ class Metrics:
             ("group",), GAPS)
         self.duration = histogram("gateway_request_duration_seconds",
                                   "Time from the request to its last byte", ("group",), LATENCY)
+        self.auth_failures = counter(
+            "gateway_auth_failures_total", "Credentials refused, by where (api: an API key on "
+            "/v1, admin: the admin key) and why (missing, invalid)", ("route", "reason"))
+        self.connections_refused = counter(
+            "gateway_connections_refused_total", "Client connections closed at once because "
+            "the process held gateway.max_connections")
         self.in_flight = gauge("gateway_in_flight", "Requests in flight per backend",
                                ("backend",), "livesum")
         self.backend_state = gauge(

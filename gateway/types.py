@@ -29,6 +29,8 @@ class Request:
     headers: list[tuple[bytes, bytes]] = field(repr=False)
     payload: dict[str, object] = field(default_factory=dict, repr=False)
     started: float = 0.0  # loop time the body was in
+    client: str = ""  # the address the gateway believes (gateway.http.forwarded)
+    forwarded_for: bytes = b""  # the X-Forwarded-For sent upstream
 
 
 class StreamCause(enum.StrEnum):

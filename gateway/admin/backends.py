@@ -18,6 +18,8 @@ from backends.backend import Backend, BackendState
 from backends.supervisor import Settle, Supervisor, drain
 from gateway.admin.body import read_body
 from gateway.errors import AdminUnauthorized, BackendNotFound, GatewayError, NotSpawned
+from gateway.http.asgi import request_id
+from gateway.http.auth import Refusals, bearer
 from gateway.resilience.breaker import Breakers
 from gateway.routing.pool import BackendPool
 
@@ -28,7 +30,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 class Admin:
     def __init__(self, pool: BackendPool, supervisors: dict[str, Supervisor], breakers: Breakers,
                  admin_key: str | None, drain_timeout: float, settle: Settle | None = None,
-                 trusted: bool = False) -> None:
+                 trusted: bool = False, refusals: Refusals | None = None) -> None:
         """``trusted``: every caller may act (the control socket, private to its process's
         user); ``settle``: see ``backends.supervisor.drain``."""
         self._pool = pool
@@ -38,6 +40,7 @@ class Admin:
         self._drain_timeout = drain_timeout
         self._settle = settle
         self._trusted = trusted
+        self._refusals = refusals
 
     def routes(self) -> list[Route]:
         return [
@@ -55,7 +58,8 @@ class Admin:
 
         async def guarded(request: Request) -> Response:
             try:
-                if not self._allowed(request):
+                if not self.allowed(request):
+                    self._refused(request)
                     raise AdminUnauthorized(
                         "admin key required (Authorization: Bearer <admin key>)")
                 return await handler(request)
@@ -64,14 +68,21 @@ class Admin:
 
         return guarded
 
-    def _allowed(self, request: Request) -> bool:
+    def allowed(self, request: Request) -> bool:
         if self._trusted:
             return True
         if self._key is None:
             return request.client is not None and request.client.host in LOOPBACK
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                  self._key)
+        token = bearer(request.scope["headers"])
+        return bool(token) and hmac.compare_digest(token, self._key)
+
+    def _refused(self, request: Request) -> None:
+        if self._refusals is None:
+            return
+        reason = ("not_loopback" if self._key is None else
+                  "invalid" if bearer(request.scope["headers"]) else "missing")
+        self._refusals("admin", reason, request.client.host if request.client else "",
+                       request.url.path, request_id(request.scope))
 
     def _backend(self, request: Request) -> Backend:
         name = request.path_params["name"]
@@ -90,7 +101,8 @@ class Admin:
         now = time.monotonic()
         return JSONResponse({"backends": [
             {
-                "name": b.name, "group": b.spec.group, "url": b.url, "spawned": b.managed,
+                "name": b.name, "group": b.spec.group, "url": b.spec.shown_url,
+                "spawned": b.managed,
                 "state": b.state.value, "pid": b.pid,
                 "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
                 "restarts": b.restarts, "in_flight": b.in_flight, "last_probe": b.last_probe,

@@ -55,7 +55,8 @@ class Shadow:
                 async with asyncio.timeout(self._timeout):
                     resp = await self._upstream.request(
                         "POST", backend.url + request.path,
-                        upstream_request_headers(request.headers, backend, request.request_id),
+                        upstream_request_headers(request.headers, backend, request.request_id,
+                                                 request.forwarded_for),
                         self._pool.names.body_for(request, backend.spec.group))
                     ticket.status = resp.status
                     try:

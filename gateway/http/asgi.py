@@ -34,15 +34,48 @@ def request_id(scope: Scope) -> str:
 
 async def send_json(send: Send, status: int, body: bytes, rid: str,
                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    headers = [JSON, (b"x-request-id", rid.encode())]
+    headers = [JSON, (b"content-length", str(len(body)).encode()), (b"x-request-id", rid.encode())]
     if extra:
         headers.extend(extra)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, error: GatewayError, rid: str) -> None:
-    await send_json(send, error.status, error.body(), rid)
+CLOSE = (b"connection", b"close")
+
+
+async def send_error(send: Send, error: GatewayError, rid: str,
+                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send_json(send, error.status, error.body(), rid, extra)
+
+
+def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The declared body length, or None (chunked, or not a number: the server refuses
+    a malformed one before the app sees it)."""
+    for key, value in headers:
+        if key == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+class BodyBudget:
+    """Request bytes one process holds at any moment, against a cap."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self._limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+    def __repr__(self) -> str:
+        return f"<BodyBudget [{self.held} of {self._limit} bytes]>"
 
 
 def json_object(raw: bytes, error: type[GatewayError], what: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from backends.backend import Backend
+from gateway.http.forwarded import FORWARDING
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -23,7 +24,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Never forwarded upstream: the gateway sets these itself.
-REQUEST_DROP = HOP_BY_HOP | {b"authorization", b"host", b"content-length", b"x-request-id"}
+REQUEST_DROP = HOP_BY_HOP | FORWARDING | {b"authorization", b"host", b"content-length",
+                                         b"x-request-id"}
 # Never passed back: the gateway's server writes its own.
 RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
 # A stream may end early with an error event, so its length is never promised.
@@ -54,9 +56,12 @@ def filter_headers(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes
     return out
 
 
-def upstream_request_headers(client: Headers, backend: Backend, request_id: str) -> Headers:
+def upstream_request_headers(client: Headers, backend: Backend, request_id: str,
+                             forwarded_for: bytes) -> Headers:
+    """``forwarded_for``: see ``gateway.http.forwarded``."""
     out = filter_headers(client, REQUEST_DROP)
     out.append((b"x-request-id", request_id.encode()))
+    out.append((b"x-forwarded-for", forwarded_for))
     if backend.spec.api_key is not None:
         token = backend.spec.api_key.get_secret_value()
         out.append((b"authorization", b"Bearer " + token.encode()))

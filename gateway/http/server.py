@@ -51,6 +51,7 @@ FULL = _reply(b"503 Service Unavailable", "too many open connections; retry shor
 # before the close: closing with unread data makes the kernel send a reset, which can
 # destroy the answer before the client reads it (nginx's lingering close).
 LINGER = 2.0
+REFUSED = "vgw.connections_refused"  # the lifespan's state: the metric counting refusals
 
 
 def connection_cap(configured: int) -> int:
@@ -91,6 +92,9 @@ class Guarded(HttpToolsProtocol):
                 Guarded._refused_logged = now
                 log.error("connection refused: %d open connections, the cap "
                           "(gateway.max_connections)", len(self.connections))
+            refused = self.app_state.get(REFUSED)
+            if refused is not None:
+                refused.inc()
             transport.write(FULL)
             transport.close()
             return

@@ -36,7 +36,7 @@ class RequestLog:
         if self._log and log.isEnabledFor(logging.INFO):
             log.info("request", extra={"fields": {
                 "id": request.request_id, "path": request.path, "model": request.model,
-                "stream": request.stream,
+                "stream": request.stream, "client": request.client,
                 "backend": name, "group": group, "status": status,
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
                 "duration_ms": round(duration * 1000, 2),

@@ -4,6 +4,7 @@ or plain text. A record's ``fields`` (the request log's) become keys of their ow
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -38,15 +39,35 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line, default=str).decode()
 
 
+# What could start a forged line or rewrite a terminal: C0 controls, DEL, C1 controls
+# (ANSI's CSI among them) and Unicode's line and paragraph separators.
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape(text: str) -> str:
+    """``text`` on one line: every control character written as its escape (\\n, \\x1b)."""
+    if not CONTROL.search(text):
+        return text
+    return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 class TextFormatter(logging.Formatter):
+    """One line per record: the message and every field escaped (clients put values in
+    both: a model name, a path), then a traceback when there is one."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        record.message = escape(record.getMessage())
+        record.asctime = self.formatTime(record, self.datefmt)
+        text = self.formatMessage(record)
         fields = getattr(record, "fields", None)
         if fields:
-            text += " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+            text += " " + " ".join(f"{k}={escape(str(v))}" for k, v in fields.items()
+                                   if v is not None)
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
         return text
 
 

@@ -22,20 +22,27 @@ PAGE = Path(__file__).parent / "dashboard.html"
 
 class OpsRoutes:
     def __init__(self, pool: BackendPool, status: Status, metrics: Metrics,
-                 guard: Callable[[Handler], Handler]) -> None:
+                 guard: Callable[[Handler], Handler], allowed: Callable[[Request], bool],
+                 public: bool = True) -> None:
+        """``public``: /metrics, /dashboard and /readyz's detail open to anyone; else behind
+        ``guard`` (the admin key), and /readyz answers its status code alone to others."""
         self._pool = pool
         self._status = status
         self._metrics = metrics
         self._guard = guard
+        self._allowed = allowed
+        self._public = public
         self._page = PAGE.read_text(encoding="utf-8")
 
     def routes(self) -> list[Route]:
+        private = self._guard
+        shown = (lambda handler: handler) if self._public else private
         return [
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/readyz", self.readyz, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/dashboard", self.dashboard, methods=["GET"]),
-            Route("/dashboard/data", self._guard(self.dashboard_data), methods=["GET"]),
+            Route("/metrics", shown(self.metrics), methods=["GET"]),
+            Route("/dashboard", shown(self.dashboard), methods=["GET"]),
+            Route("/dashboard/data", private(self.dashboard_data), methods=["GET"]),
         ]
 
     async def healthz(self, request: Request) -> Response:
@@ -43,10 +50,10 @@ class OpsRoutes:
 
     async def readyz(self, request: Request) -> Response:
         ready = self._pool.ready
-        return JSONResponse(
-            {"ready": ready, "backends": {b.name: b.state.value for b in self._pool.backends}},
-            status_code=200 if ready else 503,
-        )
+        body: dict[str, object] = {"ready": ready}
+        if self._public or self._allowed(request):
+            body["backends"] = {b.name: b.state.value for b in self._pool.backends}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:
         self._status.refresh()

@@ -65,7 +65,8 @@ class Status:
         for b in self._pool.backends:
             load = b.load
             backends.append({
-                "name": b.name, "group": b.spec.group, "url": b.url, "state": b.state.value,
+                "name": b.name, "group": b.spec.group, "url": b.spec.shown_url,
+                "state": b.state.value,
                 "spawned": b.managed, "pid": b.pid, "restarts": b.restarts,
                 "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
                 "in_flight": b.in_flight, "queue": b.queue, "pins": pins.get(b.name, 0),

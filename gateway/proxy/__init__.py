@@ -21,13 +21,22 @@ from gateway.errors import (
     BadRequest,
     GatewayError,
     ModelNotFound,
+    Overloaded,
     PayloadTooLarge,
     RequestTimeout,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from gateway.http.asgi import json_object, request_id, send_error
+from gateway.http.asgi import (
+    CLOSE,
+    BodyBudget,
+    content_length,
+    json_object,
+    request_id,
+    send_error,
+)
 from gateway.http.deadline import Deadline
+from gateway.http.forwarded import Forwarding
 from gateway.http.headers import upstream_request_headers
 from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
@@ -67,9 +76,11 @@ class Proxy:
                                    config.upstream.retry_budget_floor)
         self._max_session_key = config.routing.session_key_max_len
         self._max_body = config.gateway.max_body_bytes
+        self._held = BodyBudget(config.gateway.max_buffered_bytes)
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
         self._session_sources = config.routing.session_keys
+        self._forwarding = Forwarding(config.gateway.trusted_proxies)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = request_id(scope)
@@ -105,26 +116,49 @@ class Proxy:
         finally:
             watcher.cancel()
             deadline.cancel()
+            self._held.give(len(body))
             if record is not None:
                 self._log.done(record, loop.time())
 
     async def _read(self, scope: Scope, receive: Receive, send: Send, rid: str,
                     deadline: Deadline, begun: float) -> bytes | None:
-        """The request body; None when the client left, or was answered 413 or 408."""
+        """The request body, its bytes taken from the process's budget (the caller gives
+        them back); None when the client left or was answered 413, 408 or 503. A declared
+        length is judged before a byte is read; 408 and 413 close the connection."""
+        declared = content_length(scope["headers"]) or 0
+        held = 0
         try:
-            return await read_body(receive, self._max_body)
+            if declared > self._max_body:
+                raise BodyTooLarge(declared)
+            if declared and not self._held.take(declared):
+                raise Overloaded("too many request bytes held at once; retry shortly")
+            held = declared
+            body = await read_body(receive, self._max_body)
+            if body is not None and len(body) > held and not self._held.take(len(body) - held):
+                raise Overloaded("too many request bytes held at once; retry shortly")
+            if body is not None:
+                self._held.give(held - len(body))  # what a shorter body did not use
+                return body
+            self._held.give(held)
+            return None
         except BodyTooLarge:
+            self._held.give(held)
             deadline.cancel()
-            await send_error(send, PayloadTooLarge(
-                f"request body exceeds {self._max_body} bytes"), rid)
-            status = 413
+            error: GatewayError = PayloadTooLarge(f"request body exceeds {self._max_body} bytes")
+            extra = [CLOSE]
+        except Overloaded as exc:
+            self._held.give(held)
+            deadline.cancel()
+            error, extra = exc, [(b"retry-after", b"1")]
         except asyncio.CancelledError:
+            self._held.give(held)
             if not deadline.absorb():
                 raise
-            await send_error(send, RequestTimeout(
-                f"request body not received within {self._body_timeout:g} s"), rid)
-            status = 408
-        self._log.rejected(rid, scope["path"], status, asyncio.get_running_loop().time() - begun)
+            error = RequestTimeout(f"request body not received within {self._body_timeout:g} s")
+            extra = [CLOSE]
+        await send_error(send, error, rid, extra)
+        self._log.rejected(rid, scope["path"], error.status,
+                           asyncio.get_running_loop().time() - begun)
         return None
 
     def _request(self, scope: Scope, body: bytes, rid: str, begun: float) -> Request:
@@ -133,6 +167,8 @@ class Proxy:
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required and must be a non-empty string")
         headers: list[tuple[bytes, bytes]] = scope["headers"]
+        peer = scope.get("client")
+        client, forwarded_for = self._forwarding.client(peer[0] if peer else "", headers)
         return Request(
             request_id=rid,
             path=scope["path"],
@@ -143,6 +179,8 @@ class Proxy:
             headers=headers,
             payload=payload,
             started=begun,
+            client=client,
+            forwarded_for=forwarded_for,
         )
 
     def _session_key(
@@ -302,7 +340,8 @@ class Proxy:
     ) -> UpstreamResponse | GatewayError | None:
         """Send the request: the reply; None when no connection could be made (another
         backend may be tried); the error when it broke or no headers came in time."""
-        headers = upstream_request_headers(request.headers, backend, request.request_id)
+        headers = upstream_request_headers(request.headers, backend, request.request_id,
+                                           request.forwarded_for)
         body = self._pool.names.body_for(request, backend.spec.group)
         try:
             return await self._upstream.request("POST", backend.url + request.path, headers,
@@ -312,7 +351,11 @@ class Proxy:
                         backend.name, exc)
             return None
         except UpstreamBroken as exc:
-            return UpstreamUnavailable(f"backend {backend.name} failed: {exc}")
+            # The detail (the library's words, maybe the backend's bytes) is for the log only.
+            log.warning("request %s: backend %s failed before its response headers: %s",
+                        request.request_id, backend.name, exc)
+            return UpstreamUnavailable(f"backend {backend.name} failed before its response "
+                                       "headers")
         except asyncio.CancelledError:
             if not deadline.absorb():
                 raise

@@ -21,10 +21,18 @@ def test_connection_named_and_hop_by_hop_headers_are_dropped() -> None:
 def test_client_authorization_is_replaced_by_the_backend_key() -> None:
     client = [(b"authorization", b"Bearer client"), (b"host", b"gw"), (b"content-length", b"9"),
               (b"x-request-id", b"spoof"), (b"x-session-id", b"s1")]
-    assert upstream_request_headers(client, backend("k"), "rid") == [
-        (b"x-session-id", b"s1"), (b"x-request-id", b"rid"), (b"authorization", b"Bearer k")]
+    assert upstream_request_headers(client, backend("k"), "rid", b"10.0.0.1") == [
+        (b"x-session-id", b"s1"), (b"x-request-id", b"rid"), (b"x-forwarded-for", b"10.0.0.1"),
+        (b"authorization", b"Bearer k")]
     assert (b"authorization", b"Bearer client") not in upstream_request_headers(
-        client, backend(), "rid")
+        client, backend(), "rid", b"10.0.0.1")
+
+
+def test_a_clients_forwarding_headers_never_reach_the_backend() -> None:
+    client = [(b"x-forwarded-for", b"1.2.3.4"), (b"Forwarded", b"for=1.2.3.4"),
+              (b"x-real-ip", b"1.2.3.4"), (b"x-keep", b"1")]
+    assert upstream_request_headers(client, backend(), "rid", b"10.0.0.9") == [
+        (b"x-keep", b"1"), (b"x-request-id", b"rid"), (b"x-forwarded-for", b"10.0.0.9")]
 
 
 def test_stream_response_headers() -> None:
