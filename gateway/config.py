@@ -124,6 +124,7 @@ class GatewaySection(Section):
     # /metrics, /dashboard and /readyz's detail open to anyone (true), or behind the admin
     # key (false; loopback only when no admin key is set), like /admin.
     public_metrics: bool = True
+    media_urls: Literal["allow", "deny_private"] = "allow"  # see gateway.http.media
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     access_log: bool = Field(default=True, description="one log line per request (info)")

@@ -27,6 +27,7 @@ from gateway.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from gateway.http import media
 from gateway.http.asgi import (
     CLOSE,
     BodyBudget,
@@ -81,6 +82,7 @@ class Proxy:
         self._timeouts = config.upstream
         self._session_sources = config.routing.session_keys
         self._forwarding = Forwarding(config.gateway.trusted_proxies)
+        self._media_check = config.gateway.media_urls == "deny_private"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = request_id(scope)
@@ -97,6 +99,8 @@ class Proxy:
         record = None
         try:
             record = Record(self._request(scope, body, rid, begun))
+            if self._media_check:
+                await media.check(record.request.payload)
             await self._serve(record, send, deadline)
         except GatewayError as exc:
             await send_error(send, exc, rid)

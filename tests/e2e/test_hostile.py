@@ -77,6 +77,7 @@ def gw(tmp: Path, sim: Sim, garbage: Garbage) -> Iterator[Gateway]:
     creds = sim.url.replace("http://", f"http://user:{SECRET}@")
     config = (f'api_keys = ["{KEY}"]\nadmin_key = "{ADMIN}"\nlog_format = "text"\n'
               "max_buffered_bytes = 1048576\npublic_metrics = false\n"
+              'media_urls = "deny_private"\n'
               "[health]\ninterval = 0.3\n" + backend_toml("a", creds)
               + backend_toml("g", f"http://127.0.0.1:{garbage.port}"))
     gateway = Gateway(tmp, config, name="hostile")
@@ -170,3 +171,17 @@ def test_url_credentials_are_never_shown(gw: Gateway) -> None:
     assert SECRET not in data and "***@127.0.0.1" in data
     assert SECRET not in gw.proc.output()
     assert SECRET not in httpx.get(gw.url + "/metrics", headers=auth(ADMIN)).text
+
+
+def test_a_media_url_into_the_private_network_is_refused_naming_the_field(gw: Gateway) -> None:
+    def ask(url: str) -> httpx.Response:
+        return httpx.post(gw.url + "/v1/chat/completions", headers=auth(), timeout=10, json={
+            "model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": url}}]}]})
+
+    metadata = ask("http://169.254.169.254/latest/meta-data/iam/")
+    assert metadata.status_code == 400
+    assert metadata.json()["error"]["param"] == "messages.0.content.1.image_url.url"
+    assert ask("file:///etc/passwd").status_code == 400
+    assert ask("data:image/png;base64,iVBORw0KGgo=").status_code == 200  # inline: passes
