@@ -121,9 +121,8 @@ class GatewaySection(Section):
                                  "descriptor limit")
     # Peers whose X-Forwarded-For is believed (addresses or networks); see http.forwarded.
     trusted_proxies: tuple[IPvAnyNetwork, ...] = ()
-    # /metrics, /dashboard and /readyz's detail open to anyone (true), or behind the admin
-    # key (false; loopback only when no admin key is set), like /admin.
-    public_metrics: bool = True
+    public_metrics: bool = True  # false: /metrics, /dashboard... behind the admin key
+    keep_alive_timeout: float = Field(default=75.0, gt=0, description="idle between requests")
     media_urls: Literal["allow", "deny_private"] = "allow"  # see gateway.http.media
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"

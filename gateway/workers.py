@@ -42,7 +42,7 @@ log = logging.getLogger("gateway.workers")
 # How every serving process runs uvicorn (the single process too).
 UVICORN: dict[str, Any] = {
     "loop": "uvloop", "http": "httptools", "lifespan": "on", "access_log": False,
-    "log_config": None, "timeout_keep_alive": 75, "backlog": 4096, "server_header": False,
+    "log_config": None, "backlog": 4096, "server_header": False,
     "proxy_headers": False,
 }
 
@@ -50,7 +50,8 @@ UVICORN: dict[str, Any] = {
 def uvicorn_options(gateway: GatewaySection) -> dict[str, Any]:
     """UVICORN, and the front door's limits (for a serving process: it sets its rlimit)."""
     cap = connection_cap(gateway.max_connections)
-    return {**UVICORN, "http": guarded(gateway.header_timeout, gateway.max_header_bytes, cap)}
+    return {**UVICORN, "timeout_keep_alive": gateway.keep_alive_timeout,
+            "http": guarded(gateway.header_timeout, gateway.max_header_bytes, cap)}
 
 
 QUICK_EXIT = 2.0  # a worker that dies sooner than this after its start waits before the next

@@ -17,6 +17,7 @@ import pytest
 from tests.helpers import Gateway, Sim, backend_toml, http_ok, wait_for
 
 DEADLINE = 1.0
+IDLE = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def sim(tmp: Path) -> Iterator[Sim]:
 @pytest.fixture(scope="module")
 def gw(tmp: Path, sim: Sim) -> Iterator[Gateway]:
     gateway = Gateway(tmp, f"header_timeout = {DEADLINE}\nmax_header_bytes = 8192\n"
+                      f"keep_alive_timeout = {IDLE}\n"
                       + backend_toml("a", sim.url), name="front", workers=None)
     wait_for(lambda: http_ok(gateway.url + "/readyz"), 20, "gateway ready")
     yield gateway
@@ -90,6 +92,32 @@ def test_a_huge_header_is_431_and_never_reaches_the_backend(gw: Gateway, sim: Si
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
     assert sim.stats()["completed"] == before
     assert httpx.get(gw.url + "/healthz").status_code == 200
+
+
+def one_reply(sock: socket.socket) -> bytes:
+    """One whole reply with a Content-Length from a kept-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_a_kept_alive_connection_is_closed_after_the_idle_timeout(gw: Gateway) -> None:
+    sock = connect(gw)
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    sock.sendall(request)
+    assert one_reply(sock).startswith(b"HTTP/1.1 200 ")
+    time.sleep(DEADLINE * 1.5)  # idle past the header deadline, within the idle timeout
+    sock.sendall(request)  # kept alive: the header deadline runs only once a request starts
+    assert one_reply(sock).startswith(b"HTTP/1.1 200 ")
+    start = time.monotonic()
+    assert read_all(sock) == b""  # then closed by the gateway, idle
+    assert IDLE - 0.5 < time.monotonic() - start < IDLE + 5
 
 
 def test_headers_within_the_cap_and_a_large_body_pass(gw: Gateway) -> None:
