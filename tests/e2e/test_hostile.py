@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from tests.helpers import Gateway, Sim, backend_toml, free_port, wait_for
 
 KEY, ADMIN = "client-key-123", "admin-key-456"
 SECRET = "pa55word-in-url"
+BROKEN = ("garbage-model", "reset-model", "headers-model")
 
 
 def raw(gw: Gateway, data: bytes) -> bytes:
@@ -47,10 +49,15 @@ class Garbage:
                 request = conn.recv(65536)
                 if request.startswith(b"GET "):
                     body = json.dumps({"object": "list", "data": [
-                        {"id": "garbage-model", "object": "model"}]}).encode()
+                        {"id": m, "object": "model"} for m in BROKEN]}).encode()
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
                                  % (len(body), body))
+                elif b"reset-model" in request:  # a reset: close with unread data, linger 0
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                    struct.pack("ii", 1, 0))
+                elif b"headers-model" in request:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nRAW-BACKEND-BYTES no colon\r\n\r\n")
                 else:
                     conn.sendall(b"HTTP/1.1 2OO RAW-BACKEND-BYTES\r\nX: y\r\n\r\n")
 
@@ -152,15 +159,16 @@ def test_metrics_dashboard_and_readiness_detail_need_the_admin_key(gw: Gateway) 
     assert "backends" in httpx.get(gw.url + "/readyz", headers=auth(ADMIN)).json()
 
 
-def test_a_backends_broken_bytes_and_address_stay_in_the_log(gw: Gateway,
-                                                             garbage: Garbage) -> None:
-    reply = chat(gw, model="garbage-model", **{"x-request-id": "garbage-req-1"})
+@pytest.mark.parametrize("model", BROKEN)
+def test_a_backends_broken_bytes_and_address_stay_in_the_log(gw: Gateway, garbage: Garbage,
+                                                             model: str) -> None:
+    reply = chat(gw, model=model, **{"x-request-id": f"broken-{model}"})
     assert reply.status_code == 502
     body = reply.text
     assert "RAW-BACKEND-BYTES" not in body and str(garbage.port) not in body
     assert "127.0.0.1" not in body and reply.json()["error"]["message"]
     output = gw.proc.output()
-    assert "garbage-req-1" in output and "failed before its response headers" in output
+    assert f"broken-{model}" in output and "failed before its response headers" in output
 
 
 def test_url_credentials_are_never_shown(gw: Gateway) -> None:
