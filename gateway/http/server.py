@@ -45,6 +45,8 @@ TOO_SLOW = _reply(b"408 Request Timeout", "the request headers took too long",
                   "invalid_request_error", "request_timeout")
 TOO_BIG = _reply(b"431 Request Header Fields Too Large", "the request headers are too large",
                  "invalid_request_error", "headers_too_large")
+MALFORMED = _reply(b"400 Bad Request", "malformed HTTP request", "invalid_request_error",
+                   "malformed_request")
 FULL = _reply(b"503 Service Unavailable", "too many open connections; retry shortly",
               "server_error", "too_many_connections", b"retry-after: 1\r\n")
 # After refusing a request, what the client still sends is read and dropped for this long
@@ -133,6 +135,10 @@ class Guarded(HttpToolsProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER, self.transport.close)
+
+    def send_400_response(self, msg: str) -> None:
+        """httptools refused the bytes: the answer in the OpenAI error format too."""
+        self._refuse(MALFORMED)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

@@ -5,6 +5,7 @@ backend whose bytes or credentials must never reach a client."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import struct
 import threading
@@ -131,6 +132,22 @@ def test_a_forged_forwarding_chain_is_not_believed(gw: Gateway) -> None:
 
 
 def test_a_newline_in_a_client_value_cannot_forge_a_log_line(gw: Gateway) -> None:
+    # Path, request id, session key and user agent, on a request refused for its key (the
+    # refusal's log line names the path); then the model, on the access line.
+    reply = raw(gw, b"POST /v1/chat%0D%0AFORGED2%1B[31m HTTP/1.1\r\nHost: x\r\n"
+                b"Connection: close\r\nAuthorization: Bearer nope\r\n"
+                b"X-Request-ID: id%0aFORGED4\r\nContent-Length: 2\r\n\r\n{}")
+    assert reply.startswith(b"HTTP/1.1 401 ")
+    wait_for(lambda: "/v1/chat\\r\\nFORGED2\\x1b[31m" in gw.proc.output(), 10,
+             "the refusal's line, escaped")
+    # Raw control characters in a header (user agent, request id, session key) are refused
+    # by the parser, in the OpenAI error format, before anything is logged.
+    for name in (b"User-Agent", b"X-Request-ID", b"X-Session-ID"):
+        reply = raw(gw, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + name
+                    + b": v\x1b[31mFORGED3\r\n\r\n")
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), reply[:100]
+        assert json.loads(body)["error"]["code"] == "malformed_request"
     forged = "m\n2026-12-04 00:00:00,000 INFO 1 gateway.access: FORGED\x1b[31m"
     assert chat(gw, model=forged).status_code == 404
     escaped = "\\n2026-12-04 00:00:00,000 INFO 1 gateway.access: FORGED\\x1b[31m"
@@ -140,14 +157,28 @@ def test_a_newline_in_a_client_value_cannot_forge_a_log_line(gw: Gateway) -> Non
     assert not any(ln.startswith("2026-12-04 00:00:00,000") for ln in lines)
 
 
+def refusals(gw: Gateway) -> float:
+    metrics = httpx.get(gw.url + "/metrics", headers=auth(ADMIN)).text
+    found = re.search(r'gateway_auth_failures_total\{reason="invalid",route="api"\} (\S+)',
+                      metrics)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_wrong_keys_are_counted_and_logged_without_the_key(gw: Gateway) -> None:
-    assert chat(gw, authorization="Bearer wrong-key-789").status_code == 401
+    line = "api key invalid from 127.0.0.1 on /v1/chat/completions"
+    before, logged, sent = refusals(gw), gw.proc.output().count(line), 0
+
+    def refuse() -> bool:  # at most one line a second: until this second's line is written
+        nonlocal sent
+        assert chat(gw, authorization="Bearer wrong-key-789").status_code == 401
+        sent += 1
+        return gw.proc.output().count(line) > logged
+
+    wait_for(refuse, 5, "a refusal's log line", every=0.1)
     assert httpx.get(gw.url + "/admin/status", headers=auth("bad-admin-key")).status_code == 401
     output = gw.proc.output()
-    assert "api key invalid from 127.0.0.1 on /v1/chat/completions" in output
     assert "wrong-key-789" not in output and "bad-admin-key" not in output
-    metrics = httpx.get(gw.url + "/metrics", headers=auth(ADMIN)).text
-    assert 'gateway_auth_failures_total{reason="invalid",route="api"} 1.0' in metrics
+    assert refusals(gw) == before + sent  # every refusal counted, logged or not
 
 
 def test_metrics_dashboard_and_readiness_detail_need_the_admin_key(gw: Gateway) -> None:

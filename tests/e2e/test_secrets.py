@@ -4,6 +4,7 @@ reply body (issue 19: "no secret ever appears...")."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -73,6 +74,8 @@ def test_no_secret_reaches_a_log_a_metric_a_view_or_a_reply(tmp: Path) -> None:
             sim.stop()
     seen.append(gw.proc.output())
     output = gw.proc.output()  # the failure paths wrote their lines, and they are read here
+    for line in output.splitlines():
+        json.loads(line)  # JSON logs stay valid JSON, one object per line
     assert "api key invalid" in output
     assert "mid-stream" in output or "mid-response" in output
     leaks = {name: [s[:200] for s in seen if secret in s] for name, secret in SECRETS.items()}
