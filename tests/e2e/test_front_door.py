@@ -147,6 +147,10 @@ def test_connections_over_the_cap_get_a_503_not_a_silent_reset(tmp: Path, sim: S
         for s in held:
             s.close()
         wait_for(lambda: http_ok(gw.url + "/healthz"), 10, "served again below the cap")
+        metrics = httpx.get(gw.url + "/metrics").text
+        line = next(ln for ln in metrics.splitlines()
+                    if ln.startswith("gateway_connections_refused_total "))
+        assert float(line.split()[1]) >= 2  # the waited-for refusal and the one read
     finally:
         gw.stop()
 
