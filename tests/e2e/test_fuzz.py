@@ -30,13 +30,21 @@ def gw(tmp: Path) -> Iterator[Gateway]:
     sim.stop()
 
 
-def test_schemathesis_finds_no_server_error(gw: Gateway, tmp: Path) -> None:
+def fuzz(gw: Gateway, tmp: Path, *select: str) -> None:
     done = subprocess.run(
         [str(SCHEMATHESIS), "run", str(REPO / "docs/openapi.yaml"), "--url", gw.url,
-         "--checks", "not_a_server_error", "--max-examples", "25", "--seed", "18",
+         "--checks", "not_a_server_error", "--max-examples", "25", "--seed", "18", *select,
          "--report", "junit", "--report-dir", str(tmp / "fuzz-report")],
         capture_output=True, text=True, timeout=300, cwd=tmp)
     assert done.returncode == 0, done.stdout[-4000:]
     assert " passed" in done.stdout and " failed" not in done.stdout.split("SUMMARY")[-1]
     log = gw.proc.output()
     assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+def test_schemathesis_finds_no_server_error(gw: Gateway, tmp: Path) -> None:
+    # The verbs that change a backend's life go last, alone: schemathesis learns the
+    # backend's name from /admin/status and may stop it, after which 503 ("no healthy
+    # backend") is the right answer to a completion, not a fault.
+    fuzz(gw, tmp, "--exclude-path-regex", "^/admin/backends/")
+    fuzz(gw, tmp, "--include-path-regex", "^/admin/backends/")
