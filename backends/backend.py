@@ -125,12 +125,15 @@ class Backend:
         self._state = BackendState.FAILED
 
     def adopt(self, state: BackendState, pid: int | None, started_at: float | None,
-              restarts: int) -> None:
+              restarts: int, models: frozenset[str] = frozenset()) -> None:
         """What its owner in another process says (a serving worker's copy of a backend
-        whose life the control process runs: its supervisor, or an operator's drain)."""
+        whose life the control process runs: its supervisor, or an operator's drain); the
+        models it serves, when that owner knows them."""
         self._state = state
         self._streak = 0
         self.pid, self.started_at, self.restarts = pid, started_at, restarts
+        if models:
+            self.models = models
 
     def observe_probe(self, ok: bool, fall: int, rise: int) -> bool:
         """Apply one health-probe result; return True when the state changed.

@@ -85,8 +85,10 @@ class ControlLink:
             if fresh and not backend.managed and BackendState(state) not in OPERATOR_STATES:
                 continue  # a url backend's first sight: its own probes decide
             if fresh or seen is None or seen[1] != state:
+                # With the models its supervisor learned: this worker's own probe may not
+                # have reached the backend yet, and a ready backend serving nothing is a 404.
                 backend.adopt(BackendState(state), info["pid"], info["started_at"],
-                              info["restarts"])
+                              info["restarts"], frozenset(info.get("models") or ()))
 
     async def run(self) -> None:
         while True:

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
+
 import pytest
 
 from tests.helpers import Gateway, wait_for
 from tests.integration.vllm_setup import MODEL, PYTHON, STARTUP, status, vllm_backend
+
+
+def served(gateway: Gateway) -> bool:
+    models = httpx.get(gateway.url + "/v1/models", headers={"connection": "close"}).json()
+    return [m["id"] for m in models["data"]] == ["tiny-llama"]
 
 
 @pytest.fixture(scope="package")
@@ -26,6 +33,8 @@ def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     try:
         wait_for(lambda: all(b["state"] == "ready" for b in status(gateway).values()), STARTUP,
                  "both vLLM instances ready", every=1.0)
+        # Every worker has adopted that (within its next sync): fresh connections, any worker.
+        wait_for(lambda: all(served(gateway) for _ in range(8)), 30, "every worker agrees")
     except AssertionError:
         logs = "\n".join(p.read_text()[-3000:] for p in (tmp / "logs").glob("*.log"))
         gateway.stop()

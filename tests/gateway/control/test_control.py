@@ -78,8 +78,10 @@ def test_settle_waits_for_a_report_from_every_worker() -> None:
 def test_published_lives_carry_the_supervisor_fields() -> None:
     b = backend("s", spawn=SPAWN)
     b.mark_ready()
+    b.models = frozenset({"m2", "m1"})
     published = Workers(pool(b), {}).published()
     assert published["s"]["state"] == "ready" and published["s"]["problem"] is None
+    assert published["s"]["models"] == ["m1", "m2"]
 
 
 def link_for(*backends: Backend) -> ControlLink:
@@ -90,8 +92,9 @@ def test_a_worker_adopts_a_spawned_backends_life() -> None:
     s = backend("s", spawn=SPAWN)
     link = link_for(s)
     link.adopt({"s": {"state": "ready", "pid": 42, "started_at": 1.0, "restarts": 2,
-                      "problem": None}})
+                      "problem": None, "models": ["m1"]}})
     assert s.state is BackendState.READY and s.pid == 42 and s.restarts == 2
+    assert s.models == {"m1"}  # routable at once, before this worker's own probe
 
 
 def test_a_url_backend_keeps_its_own_probes_until_an_operator_acts() -> None:
