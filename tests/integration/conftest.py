@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
-
 import pytest
 
 from tests.helpers import Gateway, wait_for
