@@ -66,7 +66,8 @@ class BodyBudget:
         self.held = 0
 
     def take(self, n: int) -> bool:
-        if self.held + n > self._limit:
+        """Hold ``n`` more bytes if the cap allows; a negative ``n`` gives back, always."""
+        if n > 0 and self.held + n > self._limit:
             return False
         self.held += n
         return True

@@ -138,13 +138,13 @@ class Proxy:
                 raise Overloaded("too many request bytes held at once; retry shortly")
             held = declared
             body = await read_body(receive, self._max_body)
-            if body is not None and len(body) > held and not self._held.take(len(body) - held):
+            if body is None:
+                self._held.give(held)
+                return None
+            # From what was declared (0 when chunked) to what came: take more, or give back.
+            if not self._held.take(len(body) - held):
                 raise Overloaded("too many request bytes held at once; retry shortly")
-            if body is not None:
-                self._held.give(held - len(body))  # what a shorter body did not use
-                return body
-            self._held.give(held)
-            return None
+            return body
         except BodyTooLarge:
             self._held.give(held)
             deadline.cancel()

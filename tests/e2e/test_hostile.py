@@ -123,6 +123,16 @@ def test_more_bytes_than_the_process_may_hold_is_503_with_retry_after(gw: Gatewa
     assert chat(gw).status_code == 200  # the bytes taken were given back
 
 
+def test_chunked_bodies_are_given_back_too(gw: Gateway) -> None:
+    body = json.dumps({"model": "sim-model", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "x" * 300_000}]}).encode()
+    for _ in range(6):  # 1.8 MB in all through a 1 MiB budget: each given back after use
+        reply = httpx.post(gw.url + "/v1/chat/completions", timeout=10,
+                           headers={**auth(), "content-type": "application/json"},
+                           content=iter([body[:1000], body[1000:]]))  # no length: chunked
+        assert reply.status_code == 200, reply.text
+
+
 def test_a_forged_forwarding_chain_is_not_believed(gw: Gateway) -> None:
     reply = chat(gw, **{"x-forwarded-for": "6.6.6.6", "x-real-ip": "6.6.6.6"})
     rid = reply.headers["x-request-id"]
