@@ -83,12 +83,19 @@ def _signal_all(group: int, sig: int) -> None:
             os.kill(orphan, sig)
 
 
-def _reap_orphans(main: int) -> None:
-    """Collect adopted orphans that have exited (never the main child: Popen waits for it)."""
-    for pid in _children(os.getpid()):
-        if pid != main:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
+def _reap(child: subprocess.Popen[bytes]) -> None:
+    """Collect every child that has exited, adopted orphans included: one ``waitpid`` per
+    exit and none when nothing exited (scanning /proc ten times a second cost a few per
+    cent of a core). The command's own status goes to ``child``, where Popen keeps it."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid == child.pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
 
 
 def _copy_output(stream: object, log: logging.Logger) -> None:
@@ -130,13 +137,13 @@ def _wind_down(child: subprocess.Popen[bytes], grace: float) -> int:
     _signal_all(child.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and (child.poll() is None or _children(os.getpid())):
-        _reap_orphans(child.pid)
+        _reap(child)
         time.sleep(0.05)
     _signal_all(child.pid, signal.SIGKILL)
     code = child.wait()
     deadline = time.monotonic() + 5
     while _children(os.getpid()) and time.monotonic() < deadline:
-        _reap_orphans(child.pid)
+        _reap(child)
         time.sleep(0.02)
     return code
 
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     copier = threading.Thread(target=_copy_output, args=(child.stdout, out), daemon=True)
     copier.start()
     while child.poll() is None and not stopping:
-        _reap_orphans(child.pid)
+        _reap(child)
         time.sleep(0.1)
     code = _wind_down(child, args.grace)
     copier.join(timeout=2)

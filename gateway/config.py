@@ -147,7 +147,7 @@ class GatewaySection(Section):
 
 
 class UpstreamSection(Section):
-    client: Literal["aiohttp", "httpx"] = "aiohttp"
+    client: Literal["httptools", "aiohttp", "httpx"] = "httptools"
     max_connections: int = Field(default=10_000, ge=1)
     max_connections_per_backend: int = Field(default=0, ge=0, description="0 = no limit")
     connect_timeout: float = Field(default=5.0, gt=0)

@@ -1,13 +1,16 @@
 """The relay: a backend's reply sent on to the client as it comes, chunk by chunk.
 
-The per-chunk loop is inline and allocates nothing of its own: a chunk is sent, the deadline
-stamped, an in-band error looked for, and the chunk kept by reference for the reply cache.
+Each chunk is sent, the deadline stamped, an in-band error looked for, and the chunk kept by
+reference for the reply cache (``Tap``). A stream from the httptools client to uvicorn's own
+``send`` takes the fast path: the client's connection is written inside the backend
+connection's ``data_received`` (``gateway.http.sink``), with no task switch per chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from starlette.types import Send
 
@@ -16,6 +19,7 @@ from gateway.errors import StreamAborted, UpstreamTimeout, UpstreamUnavailable, 
 from gateway.http.deadline import Deadline
 from gateway.http.headers import client_response_headers
 from gateway.http.rewrite import ModelRewrite
+from gateway.http.sink import Sink
 from gateway.metrics import Metrics
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.replies import ReplyCache
@@ -34,6 +38,51 @@ INBAND = len(INBAND_ERROR)
 def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
     """A header's value (``name`` in lower case), or b"" when absent."""
     return next((v for k, v in headers if k.lower() == name), b"")
+
+
+class Tap:
+    """What happens to each relayed chunk besides its sending: the deadline stamped, an
+    in-band error looked for, the chunk kept by reference for the reply cache (up to the
+    cap). Allocates nothing of its own per chunk."""
+
+    __slots__ = ("_deadline", "_loop", "_record", "_room", "_stream", "_tail", "_ticket",
+                 "cause", "chunks", "parts")
+
+    def __init__(self, ticket: Ticket, record: Record, deadline: Deadline, stream: bool,
+                 parts: list[bytes] | None, room: int) -> None:
+        self._ticket, self._record, self._deadline = ticket, record, deadline
+        self._loop = asyncio.get_running_loop()
+        self._stream, self.parts, self._room = stream, parts, room
+        self._tail = b""  # the end of a line split across chunks, for the in-band check
+        self.cause: StreamCause | None = None
+        self.chunks = 0
+
+    def __call__(self, chunk: bytes) -> None:
+        now = self._deadline.last = self._loop.time()
+        if not self.chunks:
+            self._record.first_byte = self._ticket.first_byte = now
+        self.chunks += 1
+        if self._stream and self.cause is None:
+            tail = self._tail
+            if INBAND_ERROR in chunk or (tail and INBAND_ERROR in tail + chunk[:INBAND]):
+                self.cause = StreamCause.INBAND
+            self._tail = b"" if chunk.endswith(b"\n") else (tail + chunk)[-INBAND:]
+        if self.parts is not None:
+            self.parts.append(chunk)
+            self._room -= len(chunk)
+            if self._room < 0:
+                self.parts = None
+
+    def fast(self, sink: Sink) -> Callable[[bytes], bool]:
+        """The chunk written straight to the client's connection, then tapped."""
+        write = sink.write
+
+        def forward(chunk: bytes) -> bool:
+            full = write(chunk)
+            self(chunk)
+            return full
+
+        return forward
 
 
 class Relay:
@@ -86,48 +135,46 @@ class Relay:
     ) -> tuple[StreamCause | None, list[bytes] | None]:
         """The per-chunk loop: why it ended early (None: the reply ended), and the parts
         kept for the cache (None once over the cap)."""
-        room, chunks, reuse = self._cache_max, 0, False
-        cause: StreamCause | None = None
-        tail = b""  # the end of a line split across chunks, for the in-band check
+        tap = Tap(ticket, record, deadline, stream, parts, self._cache_max)
+        reuse = False
         try:
-            chunk = await resp.read()
-            record.first_byte = ticket.first_byte = asyncio.get_running_loop().time()
-            while chunk:
-                if rewrite is not None:
-                    chunk = rewrite.feed(chunk)
-                    if not chunk:  # half a line: it goes out with the rest of it
-                        chunk = await resp.read()
-                        continue
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                deadline.touch()
-                chunks += 1
-                if stream and cause is None:
-                    if INBAND_ERROR in chunk or (tail and INBAND_ERROR in tail + chunk[:INBAND]):
-                        cause = StreamCause.INBAND
-                    tail = b"" if chunk.endswith(b"\n") else (tail + chunk)[-INBAND:]
-                if parts is not None:
-                    parts.append(chunk)
-                    room -= len(chunk)
-                    if room < 0:
-                        parts = None
-                chunk = await resp.read()
-            if rewrite is not None and (rest := rewrite.flush()):
-                await send({"type": "http.response.body", "body": rest, "more_body": True})
-                if parts is not None:
-                    parts.append(rest)
+            pump = getattr(resp, "pump", None)
+            sink = Sink.of(send) if pump is not None and rewrite is None else None
+            if sink is not None:
+                await pump(tap.fast(sink), sink.drained)  # type: ignore[misc]
+            else:
+                await self._loop(resp, send, tap, rewrite)
             reuse = True
         except UpstreamBroken as exc:
-            cause = StreamCause.DROPPED
+            tap.cause = StreamCause.DROPPED
             log.warning("request %s: backend %s: %s", record.request.request_id,
                         ticket.backend.name, exc)
         except asyncio.CancelledError:
             if not deadline.absorb():
                 raise
-            cause = StreamCause.STALLED
+            tap.cause = StreamCause.STALLED
         finally:
-            record.chunks, record.last_byte = chunks, deadline.last
+            record.chunks, record.last_byte = tap.chunks, deadline.last
             await resp.aclose(reuse)
-        return cause, parts
+        return tap.cause, tap.parts
+
+    @staticmethod
+    async def _loop(resp: UpstreamResponse, send: Send, tap: Tap,
+                    rewrite: ModelRewrite | None) -> None:
+        """Chunk by chunk through ``send`` (a wrapped ``send``, a rewrite, another client)."""
+        chunk = await resp.read()
+        while chunk:
+            if rewrite is not None:
+                chunk = rewrite.feed(chunk)
+                if not chunk:  # half a line: it goes out with the rest of it
+                    chunk = await resp.read()
+                    continue
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            tap(chunk)
+            chunk = await resp.read()
+        if rewrite is not None and (rest := rewrite.flush()):
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
+            tap(rest)
 
     async def _end(self, ticket: Ticket, outcome: Outcome, record: Record, send: Send,
                    cause: StreamCause | None, parts: list[bytes] | None, stream: bool) -> None:

@@ -18,9 +18,13 @@ def make_upstream(settings: UpstreamSection) -> Upstream:
         from gateway.upstream.httpx_client import HttpxUpstream
 
         return HttpxUpstream(settings)
-    from gateway.upstream.aiohttp_client import AiohttpUpstream
+    if settings.client == "aiohttp":
+        from gateway.upstream.aiohttp_client import AiohttpUpstream
 
-    return AiohttpUpstream(settings)
+        return AiohttpUpstream(settings)
+    from gateway.upstream.httptools_client import HttptoolsUpstream
+
+    return HttptoolsUpstream(settings)
 
 
 __all__ = [

@@ -49,7 +49,7 @@ async def _exchange(client: str) -> tuple[list[bytes], list[str | None]]:
     return set_cookie, seen
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("client", ["httptools", "aiohttp", "httpx"])
 def test_backend_cookies_pass_to_the_client_and_are_never_replayed(client: str) -> None:
     set_cookie, seen = asyncio.run(_exchange(client))
     assert set_cookie and set_cookie[0].startswith(b"AWSALB=node-7")  # passed through
