@@ -102,31 +102,28 @@ class ReplyCache:
     async def _keep(self, batch: list[tuple[Request, Sequence[bytes], bool]]) -> None:
         fresh: dict[str, bytes] = {}
         for request, parts, stream in batch:
+            key = cache_key(request)
+            if key in fresh or self._is_fresh(key):
+                continue  # the same question, answered moments ago: kept already
             data = b"".join(parts)
             body = fold(request.path, data) if stream else data
             if body is None or len(body) > self._settings.cache_max_bytes:
                 continue
-            key = cache_key(request)
-            if key not in fresh and self._is_fresh(key, body):
-                continue  # the same answer, written moments ago: nothing new to keep
             self._remember(key, body)
             fresh[key] = body
         if self.link is None or not fresh:
             return
-        link, ttl_ms = self.link, int(self._settings.cache_ttl * 1000)
+        ttl_ms = int(self._settings.cache_ttl * 1000)
+        prefix = self.link.prefix + "reply:"
+        await self.link.execute(*(("SET", prefix + key, body, "PX", ttl_ms)
+                                  for key, body in fresh.items()))
 
-        async def write() -> object:
-            pipe = link.client.pipeline(transaction=False)
-            for key, body in fresh.items():
-                pipe.set(link.prefix + "reply:" + key, body, px=ttl_ms)
-            return await pipe.execute()
-
-        await link.call(write)
-
-    def _is_fresh(self, key: str, body: bytes) -> bool:
-        """Is this answer already kept, written less than a tenth of its lifetime ago?"""
+    def _is_fresh(self, key: str) -> bool:
+        """Was an answer to this question kept less than a tenth of its lifetime ago? (At
+        the temperatures the cache takes, a new answer would say the same; only its id and
+        timestamp differ, so it is neither folded nor written.)"""
         local = self._local.get(key)
-        if local is None or local[1] != body:
+        if local is None:
             return False
         return local[0] - time.monotonic() > self._settings.cache_ttl * 0.9
 

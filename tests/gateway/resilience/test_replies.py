@@ -57,3 +57,27 @@ def test_without_redis_the_local_copy_answers_and_the_size_cap_holds() -> None:
 
     small, big = asyncio.run(main())
     assert small == b'{"choices": []}' and big is None
+
+
+def test_the_same_question_answered_again_soon_is_not_kept_again() -> None:
+    """A second answer within a tenth of the TTL is neither folded nor written (only its id
+    and timestamp would differ); once that tenth has passed, it replaces the first."""
+
+    async def main() -> list[bytes | None]:
+        cache = ReplyCache(DegradedSection(cache_ttl=10.0, local_entries=4))
+        question = ctx(temperature=0)
+        seen = []
+        for body, wait in ((b'{"id":"first"}', 0.0), (b'{"id":"second"}', 1.2),
+                           (b'{"id":"third"}', 0.0)):
+            cache.keep(question, [body], stream=False)
+            await cache._queue.join()
+            seen.append(await cache.lookup(question))
+            if wait:
+                # a tenth of the TTL passes (the clock is moved, not waited for)
+                key = cache_key(question)
+                expiry, kept = cache._local[key]
+                cache._local[key] = (expiry - wait, kept)
+        await cache.aclose()
+        return seen
+
+    assert asyncio.run(main()) == [b'{"id":"first"}', b'{"id":"first"}', b'{"id":"third"}']
