@@ -4,8 +4,10 @@ access-log line), written when it ends."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from gateway.metrics import Metrics
+from gateway.observability.logs import JsonLines
 from gateway.types import Record
 
 log = logging.getLogger("gateway.access")
@@ -15,6 +17,26 @@ class RequestLog:
     def __init__(self, metrics: Metrics, access_log: bool) -> None:
         self._m = metrics
         self._log = access_log
+        self._json: JsonLines | None = None
+        self._checked = False
+        # Label children looked up once: prometheus_client's labels() validates and locks
+        # on every call. Bounded as the labels are (backends x groups x models x statuses).
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric._name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def _line(self, fields: dict[str, Any]) -> None:
+        if not self._checked:  # logging is set up after the app is built
+            self._checked, self._json = True, JsonLines.of(log.name)
+        if self._json is not None:
+            self._json.info("request", fields)
+        else:
+            log.info("request", extra={"fields": fields})
 
     def done(self, record: Record, now: float) -> None:
         request = record.request
@@ -23,29 +45,30 @@ class RequestLog:
         status = record.status or 499  # nothing sent: the client went away first
         model = request.model if status != 404 else "unknown"  # no label per invented name
         m = self._m
-        m.requests.labels(name, group, model, str(status)).inc()
+        child = self._child
+        child(m.requests, name, group, model, str(status)).inc()
         first, ttft = record.first_byte, None
         if first is not None:
             ttft = first - request.started
-            m.ttft.labels(group).observe(ttft)
+            child(m.ttft, group).observe(ttft)
             if record.chunks > 1 and record.last_byte is not None:
-                m.inter_token.labels(group).observe(
+                child(m.inter_token, group).observe(
                     (record.last_byte - first) / (record.chunks - 1))
         duration = now - request.started
-        m.duration.labels(group).observe(duration)
+        child(m.duration, group).observe(duration)
         if self._log and log.isEnabledFor(logging.INFO):
-            log.info("request", extra={"fields": {
+            self._line({
                 "id": request.request_id, "path": request.path, "model": request.model,
                 "stream": request.stream, "client": request.client,
                 "backend": name, "group": group, "status": status,
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
                 "duration_ms": round(duration * 1000, 2),
-                "chunks": record.chunks if request.stream else None, "note": record.note or None}})
+                "chunks": record.chunks if request.stream else None, "note": record.note or None})
 
     def rejected(self, request_id: str, path: str, status: int, duration: float) -> None:
         """A request refused before its body could be read as one (413, 408, 400)."""
         self._m.requests.labels("none", "none", "unknown", str(status)).inc()
         if self._log and log.isEnabledFor(logging.INFO):
-            log.info("request", extra={"fields": {
+            self._line({
                 "id": request_id, "path": path, "backend": "none", "group": "none",
-                "status": status, "duration_ms": round(duration * 1000, 2)}})
+                "status": status, "duration_ms": round(duration * 1000, 2)})

@@ -3,7 +3,9 @@ or plain text. A record's ``fields`` (the request log's) become keys of their ow
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import re
 import sys
 import time
@@ -24,11 +26,16 @@ class DropExpected(logging.Filter):
         return not isinstance(exc, self._kinds)
 
 
+def timestamp(created: float) -> str:
+    """``2026-12-04T17:51:10.830Z``: UTC, milliseconds."""
+    return (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+            + f".{int(created * 1000) % 1000:03d}Z")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "ts": timestamp(record.created),
             "level": record.levelname.lower(), "logger": record.name, "pid": record.process,
             "msg": record.getMessage()}
         fields = getattr(record, "fields", None)
@@ -69,6 +76,49 @@ class TextFormatter(logging.Formatter):
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text
+
+
+class JsonLines:
+    """Lines of one logger in the JSON format, written to the JSON handler's stream a loop
+    turn's worth at a time: the same bytes the logging module would write, without its
+    record, caller lookup, lock and flush per line (~30 µs of a request's CPU). ``of``
+    gives None unless logging goes to one JSON stream handler (text format: use logging)."""
+
+    def __init__(self, logger: str, handler: logging.StreamHandler[Any]) -> None:
+        self._head = {"level": "info", "logger": logger, "pid": os.getpid()}
+        self._handler = handler
+        self._lines: list[str] = []
+        self._second = -1
+        self._stamp = ""
+
+    @staticmethod
+    def of(logger: str) -> JsonLines | None:
+        handlers = logging.getLogger().handlers
+        if (len(handlers) == 1 and type(handlers[0]) is logging.StreamHandler
+                and isinstance(handlers[0].formatter, JsonFormatter)):
+            return JsonLines(logger, handlers[0])
+        return None
+
+    def info(self, msg: str, fields: dict[str, Any]) -> None:
+        now = time.time()
+        second = int(now)
+        if second != self._second:
+            self._second, self._stamp = second, timestamp(second)[:-4]
+        line = {"ts": f"{self._stamp}{int(now * 1000) % 1000:03d}Z", **self._head,
+                "msg": msg, **fields}
+        self._lines.append(orjson.dumps(line, default=str).decode())
+        if len(self._lines) == 1:
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        if not self._lines:
+            return
+        text = "\n".join(self._lines) + "\n"
+        self._lines.clear()
+        with self._handler.lock:  # type: ignore[union-attr]
+            stream = self._handler.stream
+            stream.write(text)
+            stream.flush()
 
 
 def setup(level: str, *expected: type[BaseException], fmt: str = "json") -> None:
