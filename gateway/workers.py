@@ -3,10 +3,12 @@
 ``serve`` runs this when ``[gateway] workers`` comes to more than one ("auto": one per
 core, up to the cap). This process is the control (``gateway.control``): it starts the
 embedded valkey and the spawned backends, answers the workers on a private socket, binds
-the port once and starts the workers, each ``python -m gateway.workers FD`` serving the app
-on that socket. A worker that dies is replaced (after a pause when it keeps dying) while
-the others go on; SIGHUP reloads here, then in every worker; SIGTERM or SIGINT stops the
-workers (each finishes its requests first), then the backends and valkey.
+the port and starts the workers, each ``python -m gateway.workers FD`` serving the app on a
+listening socket of its own (``SO_REUSEPORT``: the kernel spreads new connections
+evenly; one shared socket let the first worker to wake accept most of a burst, as libuv
+accepts until the backlog is empty). A worker that dies is replaced (after a pause when it
+keeps dying) while the others go on; SIGHUP reloads here, then in every worker; SIGTERM or
+SIGINT stops the workers (each finishes its requests first), then the backends and valkey.
 """
 
 from __future__ import annotations
@@ -89,21 +91,24 @@ class Control:
             # then the port is bound.
             async with Lifespan(self._parts, self._config)(None):
                 try:
-                    sock = self._listen()
+                    socks = self._listen()
                 except OSError as exc:
                     log.error("cannot listen on %s: %s", self._config.gateway.listen, exc)
                     return 1
-                with sock:
-                    await self._serve(sock, control, private, stop)
+                try:
+                    await self._serve(socks, control, private, stop)
+                finally:
+                    for sock in socks:
+                        sock.close()
         finally:
             shutil.rmtree(private, ignore_errors=True)
         return 0
 
-    async def _serve(self, sock: socket.socket, control: str, private: str,
+    async def _serve(self, socks: list[socket.socket], control: str, private: str,
                      stop: asyncio.Event) -> None:
         server, serving = await self._control_server(control)
         env = self._worker_env(control, private)
-        keepers = [asyncio.create_task(self._keep(slot, sock, env))
+        keepers = [asyncio.create_task(self._keep(slot, socks[slot % len(socks)], env))
                    for slot in range(self._processes)]
         log.info("serving on %s with %d worker processes", self._config.gateway.listen,
                  self._processes)
@@ -134,19 +139,36 @@ class Control:
         os.mkdir(metrics)
         return {**os.environ, CONFIG_ENV: self._path, MULTIPROC_ENV: metrics, **role.env()}
 
-    def _listen(self) -> socket.socket:
+    def _listen(self) -> list[socket.socket]:
+        """One listening socket per worker on the same port (``SO_REUSEPORT``), or one shared
+        by all where the system has no such option. A replaced worker takes over its
+        predecessor's socket, so connections waiting in its backlog are not lost."""
         gateway = self._config.gateway
         family = socket.AF_INET6 if ":" in gateway.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        reuse = hasattr(socket, "SO_REUSEPORT")
+        socks: list[socket.socket] = []
+        port = gateway.port
+        if reuse:  # held by anyone (another gateway too): fail as a plain bind would
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((gateway.host, port))
+                port = probe.getsockname()[1]
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((gateway.host, gateway.port))
-            sock.listen(UVICORN["backlog"])
+            for _ in range(self._processes if reuse else 1):
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                sock.bind((gateway.host, port))
+                port = sock.getsockname()[1]  # port 0: the others join the one it got
+                sock.listen(UVICORN["backlog"])
+                sock.set_inheritable(True)
         except OSError:
-            sock.close()
+            for sock in socks:
+                sock.close()
             raise
-        sock.set_inheritable(True)
-        return sock
+        return socks
 
     async def _keep(self, slot: int, sock: socket.socket, env: dict[str, str]) -> None:
         """Keep one worker running until the gateway stops."""

@@ -24,8 +24,10 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Never forwarded upstream: the gateway sets these itself.
+# ``expect``: the gateway has the whole body already (a backend's 100 Continue would only
+# be an interim reply to skip).
 REQUEST_DROP = HOP_BY_HOP | FORWARDING | {b"authorization", b"host", b"content-length",
-                                         b"x-request-id"}
+                                         b"x-request-id", b"expect"}
 # Never passed back: the gateway's server writes its own.
 RESPONSE_DROP = HOP_BY_HOP | {b"date", b"server", b"x-request-id"}
 # A stream may end early with an error event, so its length is never promised.

@@ -22,11 +22,13 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import error_body
+from gateway.http.sink import CONNECTION
 
 log = logging.getLogger("gateway.server")
 
@@ -86,6 +88,12 @@ class Guarded(HttpToolsProtocol):
         self._refused = False
         self._header_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
+        self._hangup: Callable[[], None] | None = None
+
+    def on_hangup(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` if the client hangs up before the current response ends
+        (``gateway.http.sink.Hangup``: no watcher task per request)."""
+        self._hangup = callback
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
@@ -108,6 +116,9 @@ class Guarded(HttpToolsProtocol):
             return
         self._disarm()
         super().connection_lost(exc)
+        hangup, self._hangup = self._hangup, None
+        if hangup is not None:
+            hangup()
 
     def _arm(self) -> None:
         self._deadline = self.loop.call_later(self.header_timeout, self._too_slow)
@@ -157,8 +168,12 @@ class Guarded(HttpToolsProtocol):
         self._disarm()
         self._reading_headers = False
         super().on_headers_complete()
+        if self.cycle is not None:
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+            extensions[CONNECTION] = self
 
     def on_response_complete(self) -> None:
+        self._hangup = None
         super().on_response_complete()
         # Idle until the next request is uvicorn's keep-alive timeout; its headers'
         # deadline starts with its first byte.

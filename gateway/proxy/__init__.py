@@ -10,7 +10,7 @@ import logging
 
 from starlette.types import Receive, Scope, Send
 
-from backends.asgi import BodyTooLarge, cancel_on_disconnect, read_body
+from backends.asgi import BodyTooLarge, read_body
 from backends.backend import Backend
 from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
@@ -39,6 +39,7 @@ from gateway.http.asgi import (
 from gateway.http.deadline import Deadline
 from gateway.http.forwarded import Forwarding
 from gateway.http.headers import upstream_request_headers
+from gateway.http.sink import Hangup
 from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
 from gateway.proxy.relay import Relay, header
@@ -95,7 +96,7 @@ class Proxy:
             return
         task = asyncio.current_task()
         assert task is not None
-        watcher = cancel_on_disconnect(receive)
+        watcher = Hangup(scope, receive)
         record = None
         try:
             record = Record(self._request(scope, body, rid, begun))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 from starlette.types import Send
 
@@ -73,17 +72,6 @@ class Tap:
             if self._room < 0:
                 self.parts = None
 
-    def fast(self, sink: Sink) -> Callable[[bytes], bool]:
-        """The chunk written straight to the client's connection, then tapped."""
-        write = sink.write
-
-        def forward(chunk: bytes) -> bool:
-            full = write(chunk)
-            self(chunk)
-            return full
-
-        return forward
-
 
 class Relay:
     """Sends one attempt's reply to the client and tells the ticket how the relay ended."""
@@ -141,7 +129,7 @@ class Relay:
             pump = getattr(resp, "pump", None)
             sink = Sink.of(send) if pump is not None and rewrite is None else None
             if sink is not None:
-                await pump(tap.fast(sink), sink.drained)  # type: ignore[misc]
+                await pump(sink.relay(tap), sink.drained)  # type: ignore[misc]
             else:
                 await self._loop(resp, send, tap, rewrite)
             reuse = True

@@ -49,7 +49,7 @@ class _Conn(asyncio.Protocol):
         self.chunks: list[bytes] = []
         self.size = 0
         self.head = self.complete = self.received = self.paused = self.framed = False
-        self.keep = False
+        self.keep = self.interim = False
         self.error: UpstreamBroken | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Write | None = None
@@ -96,6 +96,9 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200:  # informational (100 Continue): the reply follows
+            self.headers, self.framed, self.interim = [], False, True
+            return
         self.keep = self.parser.should_keep_alive()  # the parser forgets it at the end
         self.head = True
         self._wake()
@@ -113,6 +116,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 

@@ -228,3 +228,24 @@ def test_a_slow_reader_pauses_the_backend_and_pump_hands_every_chunk_over() -> N
             server.close()
 
     run(test)
+
+
+def test_an_interim_100_continue_is_skipped_for_the_reply_after_it() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)
+        await writer.drain()
+
+    async def test() -> None:
+        server, url = await _serve(handler)
+        upstream = HttptoolsUpstream(UpstreamSection())
+        try:
+            resp = await upstream.request("POST", url, [], b"{}")
+            assert resp.status == 200
+            assert (b"content-length", b"2") in resp.headers
+            assert await resp.read() == b"ok"
+        finally:
+            await upstream.aclose()
+            server.close()
+
+    run(test)
