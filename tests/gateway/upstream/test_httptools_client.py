@@ -6,7 +6,8 @@ slow reader pausing the backend instead of buffering without bound."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -22,6 +23,18 @@ async def _serve(handler: Handler) -> tuple[asyncio.Server, str]:
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     return server, f"http://127.0.0.1:{port}/v1/chat/completions"
+
+
+@contextlib.asynccontextmanager
+async def served(handler: Handler, **settings: int) -> AsyncIterator[tuple[HttptoolsUpstream, str]]:
+    """A raw backend answering with ``handler`` and a client for it, both closed after."""
+    server, url = await _serve(handler)
+    upstream = HttptoolsUpstream(UpstreamSection(**settings))
+    try:
+        yield upstream, url
+    finally:
+        await upstream.aclose()
+        server.close()
 
 
 async def _body(upstream: HttptoolsUpstream, url: str, body: bytes = b"{}") -> bytes:
@@ -50,13 +63,8 @@ def test_the_request_goes_out_as_built_with_host_and_length() -> None:
         writer.close()
 
     async def test() -> None:
-        server, url = await _serve(handler)
-        upstream = HttptoolsUpstream(UpstreamSection())
-        try:
+        async with served(handler) as (upstream, url):
             assert await _body(upstream, url, b'{"a":1}') == b"ok"
-        finally:
-            await upstream.aclose()
-            server.close()
         port = url.split(":")[2].split("/")[0]
         assert seen == [b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:" + port.encode()
                         + b"\r\nx-test: 1\r\ncontent-length: 7\r\n\r\n" + b'{"a":1}']
@@ -77,18 +85,13 @@ def test_a_kept_alive_connection_is_reused_and_one_closed_while_idle_is_retried(
         writer.close()
 
     async def test() -> None:
-        server, url = await _serve(handler)
-        upstream = HttptoolsUpstream(UpstreamSection())
-        try:
+        async with served(handler) as (upstream, url):
             assert [await _body(upstream, url) for _ in range(2)] == [b"ok", b"ok"]
             assert len(connections) == 1  # the second request reused the first connection
             # The backend's close may not have reached the client yet: either way the third
             # request succeeds, on a new connection.
             assert await _body(upstream, url) == b"ok"
             assert len(connections) == 2
-        finally:
-            await upstream.aclose()
-            server.close()
 
     run(test)
 
@@ -106,13 +109,8 @@ def test_every_framing_reads_to_its_end(reply: bytes) -> None:
         writer.close()
 
     async def test() -> None:
-        server, url = await _serve(handler)
-        upstream = HttptoolsUpstream(UpstreamSection())
-        try:
+        async with served(handler) as (upstream, url):
             assert await _body(upstream, url) == b"abcde"
-        finally:
-            await upstream.aclose()
-            server.close()
 
     run(test)
 
@@ -131,15 +129,10 @@ def test_a_broken_reply_is_upstream_broken(reply: bytes) -> None:
         writer.close()
 
     async def test() -> None:
-        server, url = await _serve(handler)
-        upstream = HttptoolsUpstream(UpstreamSection())
-        try:
+        async with served(handler) as (upstream, url):
             with pytest.raises(UpstreamBroken):
                 await _body(upstream, url)
             assert upstream.open == 0  # the broken connection gave its slot back
-        finally:
-            await upstream.aclose()
-            server.close()
 
     run(test)
 
@@ -174,9 +167,7 @@ def test_over_the_connection_cap_a_request_waits_for_a_free_connection() -> None
             await writer.drain()
 
     async def test() -> None:
-        server, url = await _serve(handler)
-        upstream = HttptoolsUpstream(UpstreamSection(max_connections_per_backend=1))
-        try:
+        async with served(handler, max_connections_per_backend=1) as (upstream, url):
             first = asyncio.create_task(_body(upstream, url))
             second = asyncio.create_task(_body(upstream, url))
             await asyncio.sleep(0.1)
@@ -184,9 +175,6 @@ def test_over_the_connection_cap_a_request_waits_for_a_free_connection() -> None
             release.set()
             assert await first == await second == b"ok"
             assert upstream.open == 1  # the second request reused the first's connection
-        finally:
-            await upstream.aclose()
-            server.close()
 
     run(test)
 
@@ -204,9 +192,7 @@ def test_a_slow_reader_pauses_the_backend_and_pump_hands_every_chunk_over() -> N
         writer.close()
 
     async def test() -> None:
-        server, url = await _serve(handler)
-        upstream = HttptoolsUpstream(UpstreamSection())
-        try:
+        async with served(handler) as (upstream, url):
             resp = await upstream.request("POST", url, [], b"{}")
             await asyncio.sleep(0.3)  # nobody reads: the client must stop reading too
             assert not sent.is_set()
@@ -223,9 +209,6 @@ def test_a_slow_reader_pauses_the_backend_and_pump_hands_every_chunk_over() -> N
             await resp.pump(write, gate.wait)
             assert sum(map(len, got)) == size
             await resp.aclose(reuse=True)
-        finally:
-            await upstream.aclose()
-            server.close()
 
     run(test)
 
@@ -237,15 +220,10 @@ def test_an_interim_100_continue_is_skipped_for_the_reply_after_it() -> None:
         await writer.drain()
 
     async def test() -> None:
-        server, url = await _serve(handler)
-        upstream = HttptoolsUpstream(UpstreamSection())
-        try:
+        async with served(handler) as (upstream, url):
             resp = await upstream.request("POST", url, [], b"{}")
             assert resp.status == 200
             assert (b"content-length", b"2") in resp.headers
             assert await resp.read() == b"ok"
-        finally:
-            await upstream.aclose()
-            server.close()
 
     run(test)
