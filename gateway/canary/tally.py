@@ -4,7 +4,7 @@ canary analysis judges."""
 from __future__ import annotations
 
 from gateway.canary.rollout import Canary
-from gateway.metrics import Metrics
+from gateway.metrics import Children, Metrics
 from gateway.resilience.breaker import Outcome, Ticket
 
 
@@ -15,6 +15,7 @@ class Tally:
         self._requests = metrics.group_requests
         self._ttft = metrics.group_ttft
         self._canary = canary
+        self._child = Children()
 
     def attempt(self, ticket: Ticket, started: float) -> None:
         group = ticket.backend.spec.group
@@ -27,10 +28,10 @@ class Tally:
             label = "client_error"
         else:
             label = "other"  # busy, or the client left
-        self._requests.labels(group, label).inc()
+        self._child(self._requests, group, label).inc()
         ttft = None
         if ticket.first_byte is not None and label == "ok":
             ttft = ticket.first_byte - started
-            self._ttft.labels(group).observe(ttft)
+            self._child(self._ttft, group).observe(ttft)
         if self._canary.enabled and label != "other":
             self._canary.observe(group, label == "error", ttft)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gateway.metrics import Metrics
+from gateway.metrics import Children, Metrics
 from gateway.observability.logs import JsonLines
 from gateway.types import Record
 
@@ -19,16 +19,7 @@ class RequestLog:
         self._log = access_log
         self._json: JsonLines | None = None
         self._checked = False
-        # Label children looked up once: prometheus_client's labels() validates and locks
-        # on every call. Bounded as the labels are (backends x groups x models x statuses).
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (metric._name, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        self._child = Children()
 
     def _line(self, fields: dict[str, Any]) -> None:
         if not self._checked:  # logging is set up after the app is built

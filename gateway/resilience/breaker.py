@@ -148,7 +148,10 @@ class Breaker:
         if outcome is Outcome.NEUTRAL:
             return
         if outcome is Outcome.SUCCESS:
-            self.cb.call(_succeed)
+            # Closed with no failure counted, pybreaker's call would change nothing (no
+            # listener of ours counts successes): skipped on every good request.
+            if self.state != CLOSED or self.cb.fail_counter:
+                self.cb.call(_succeed)
             return
         try:
             self.cb.call(_fail, cause)
