@@ -68,10 +68,11 @@ def to_toml(raw: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def gateway_config(sims: list[str], port: int, trimmed: bool, workers: int = 1) -> str:
-    """config.toml as shipped, its spawned backends replaced by url backends on ``sims``;
-    ``trimmed`` applies TRIMMED on top."""
-    raw = tomllib.loads(SHIPPED.read_text())
+def gateway_config(sims: list[str], port: int, trimmed: bool, workers: int = 1,
+                   shipped: Path = SHIPPED) -> str:
+    """config.toml as shipped (``shipped``: another checkout's, for a baseline), its spawned
+    backends replaced by url backends on ``sims``; ``trimmed`` applies TRIMMED on top."""
+    raw = tomllib.loads(shipped.read_text())
     raw["gateway"] = {**raw.get("gateway", {}), "listen": f"127.0.0.1:{port}"}
     if workers != 1:
         raw["gateway"]["workers"] = workers
@@ -90,7 +91,7 @@ def gateway(sims: list[str], tmp: Path, workers: int = 1, core: str | None = PRO
     # land there, not in the repository.
     home = Path(tempfile.mkdtemp(prefix="gw-", dir=tmp))
     cfg = home / "gateway.toml"
-    cfg.write_text(gateway_config(sims, port, trimmed, workers))
+    cfg.write_text(gateway_config(sims, port, trimmed, workers, repo / "config.toml"))
     proc = start(core, [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
                  home / "gateway.log", cwd=home, repo=repo)
     url = f"http://127.0.0.1:{port}"

@@ -77,8 +77,10 @@ async def bounded(awaitable: Awaitable[Any], within: float) -> Any:
 
 
 class _Watch:
-    """A batch's deadline on the lean connection: one timer, armed again while the loop (not
-    Redis) is late, as ``bounded`` forgives it; overdue, the connection is dropped (every
+    """A batch's deadline on the lean connection, forgiving the loop's lag as ``bounded``
+    does: one timer, armed again when it fired late, or when the loop turn after it took
+    more than a tenth of the timeout (a busy loop: the answer may sit unread, or Redis,
+    sharing the core, had no time to write it). Overdue, the connection is dropped (every
     later reply on it would be late too), which fails the batch."""
 
     __slots__ = ("_due", "_future", "_handle", "_loop", "_resp", "_tries", "_within")
@@ -87,6 +89,7 @@ class _Watch:
         self._future, self._resp, self._within = future, resp, within
         self._loop = asyncio.get_running_loop()
         self._tries = 0
+        self._handle: asyncio.Handle
         self._arm()
 
     def _arm(self) -> None:
@@ -99,6 +102,14 @@ class _Watch:
             return
         if self._loop.time() - self._due >= self._within / 2 and self._tries < LAG_CAP:
             self._arm()  # the timer fired late: the answer may sit unread in the socket
+            return
+        self._handle = self._loop.call_soon(self._turn, self._loop.time())
+
+    def _turn(self, began: float) -> None:
+        if self._future.done():
+            return
+        if self._loop.time() - began >= self._within / 10 and self._tries < LAG_CAP:
+            self._arm()
             return
         self._resp.drop(TimeoutError(f"redis did not answer within {self._within:g} s"))
 
