@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gateway import __version__
 from gateway.build import Parts, build
 from gateway.config import CONFIG_ENV, Config, load
 from gateway.control.role import Role
@@ -37,9 +38,13 @@ class GatewayApp:
         operators = parts.operators
         self._other = Starlette(
             routes=[Route("/v1/models", self._models, methods=["GET"]),
+                    Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+                    Route("/health", self._health, methods=["GET"]),
+                    Route("/version", self._version, methods=["GET"]),
                     *operators.ops.routes(), *operators.admin.routes(),
                     *operators.canary.routes()],
             lifespan=Lifespan(parts, config),
+            exception_handlers={404: _http_error, 405: _http_error},
         )
         keys = [k.get_secret_value() for k in config.gateway.api_keys]
         self._guarded = Http10Framing(ApiKeyAuth(self._dispatch, keys, operators.refusals))
@@ -58,11 +63,44 @@ class GatewayApp:
         await self._other(scope, receive, send)
 
     async def _models(self, request: Request) -> Response:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "vllm-gateway"}
-            for m in self.parts.pool.models()
-        ]
+        data = [_card(m) for m in self.parts.pool.models()]
         return JSONResponse({"object": "list", "data": data})
+
+    async def _model(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        if model in self.parts.pool.models():
+            return JSONResponse(_card(model))
+        body = error_body(f"The model `{model[:200]}` does not exist.", "invalid_request_error",
+                          "model_not_found", "model")
+        return Response(body, 404, media_type="application/json")
+
+    async def _health(self, request: Request) -> Response:
+        """vLLM's own probe (GuideLLM and other tools call it): 200 with an empty body while
+        some backend can serve, 503 otherwise (``/readyz`` says which)."""
+        return Response(status_code=200 if self.parts.pool.ready else 503)
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+
+def _card(model: str) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "vllm-gateway"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """What the gateway answers itself for an unknown path or method: the OpenAI error
+    format, as every other error (Starlette's default is plain text)."""
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", "")
+    if status == 404 and detail == "Not Found":
+        message, code = f"Invalid URL ({request.method} {request.url.path[:200]})", "not_found"
+    elif status == 405:
+        message = f"{request.method} is not allowed on {request.url.path[:200]}"
+        code = "method_not_allowed"
+    else:
+        message, code = str(detail), None
+    return Response(error_body(message, "invalid_request_error", code), status,
+                    headers=getattr(exc, "headers", None), media_type="application/json")
 
 
 def from_env() -> GatewayApp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -53,6 +54,34 @@ def test_embeddings(gateway: Gateway) -> None:
 def test_models_is_the_union_and_survives_a_dead_backend(gateway: Gateway) -> None:
     ids = sorted(m.id for m in client(gateway).models.list())
     assert ids == ["other-model", "sim-model"]
+
+
+def test_models_retrieve_answers_a_known_model_and_404s_an_unknown_one(gateway: Gateway) -> None:
+    assert client(gateway).models.retrieve("sim-model").id == "sim-model"
+    with pytest.raises(openai.NotFoundError) as info:
+        client(gateway).models.retrieve("nope")
+    assert info.value.code == "model_not_found"
+
+
+def test_unknown_paths_and_methods_are_openai_format_errors(gateway: Gateway) -> None:
+    """What the gateway answers itself, 404 and 405 included: JSON in the OpenAI format."""
+    with httpx.Client(base_url=gateway.url) as http:
+        for method, path, status in (("GET", "/v1/nowhere", 404), ("POST", "/nope", 404),
+                                     ("DELETE", "/v1/models", 405),
+                                     ("GET", "/v1/chat/completions", 405)):
+            reply = http.request(method, path)
+            assert reply.status_code == status, (method, path)
+            assert reply.headers["content-type"].startswith("application/json")
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["message"]
+            assert error["code"] == ("not_found" if status == 404 else "method_not_allowed")
+
+
+def test_health_and_version_answer_as_vllm_does(gateway: Gateway) -> None:
+    with httpx.Client(base_url=gateway.url) as http:
+        health = http.get("/health")
+        assert health.status_code == 200 and health.content == b""
+        assert http.get("/version").json()["version"]
 
 
 def test_model_served_by_one_backend_only_goes_there(gateway: Gateway) -> None:
