@@ -26,7 +26,8 @@ from gateway.http.framing import Http10Framing
 from gateway.lifespan import Lifespan
 from gateway.observability import logs
 
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+PROXIED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                     "/tokenize", "/detokenize"})
 
 
 class GatewayApp:
@@ -47,7 +48,8 @@ class GatewayApp:
             exception_handlers={404: _http_error, 405: _http_error},
         )
         keys = [k.get_secret_value() for k in config.gateway.api_keys]
-        self._guarded = Http10Framing(ApiKeyAuth(self._dispatch, keys, operators.refusals))
+        self._guarded = Http10Framing(ApiKeyAuth(self._dispatch, keys, operators.refusals,
+                                                 paths=PROXIED))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._guarded(scope, receive, send)

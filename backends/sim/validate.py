@@ -57,7 +57,21 @@ def parse(path: str, content_type: str, raw: bytes) -> dict[str, Any] | Rejected
     return _required(path, body) or body
 
 
+def _limits(body: dict[str, Any]) -> Rejected | None:
+    """Token limits are integers (or null), as vLLM's request models say."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return _validation("int_parsing", f"body.{field}",
+                               "Input should be a valid integer, unable to parse string as an "
+                               "integer" if isinstance(value, str) else
+                               "Input should be a valid integer")
+    return None
+
+
 def _required(path: str, body: dict[str, Any]) -> Rejected | None:
+    if path in (CHAT, COMPLETIONS) and (bad := _limits(body)) is not None:
+        return bad
     if path == CHAT and "messages" not in body:
         return _missing("messages", body)
     if path == COMPLETIONS and not body.get("prompt"):
@@ -72,8 +86,17 @@ def _required(path: str, body: dict[str, Any]) -> Rejected | None:
                                "Input should be 'float' or 'base64' (the simulator's formats)")
     if path == TOKENIZE and "prompt" not in body and "messages" not in body:
         return _missing("prompt", body)
-    if path == DETOKENIZE and not isinstance(body.get("tokens"), list):
-        return _missing("tokens", body)
+    if path == TOKENIZE and "prompt" in body and not isinstance(body["prompt"], str):
+        return _validation("string_type", "body.prompt", "Input should be a valid string")
+    if path == DETOKENIZE:
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            return _missing("tokens", body)
+        wrong = next((i for i, t in enumerate(tokens)
+                      if not isinstance(t, int) or isinstance(t, bool)), None)
+        if wrong is not None:
+            return _validation("int_type", f"body.tokens.{wrong}",
+                               "Input should be a valid integer")
     return None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -40,20 +40,23 @@ class Refusals:
 
 
 class ApiKeyAuth:
-    """Requires ``Authorization: Bearer <key>`` on every path under ``prefix``.
+    """Requires ``Authorization: Bearer <key>`` on every path under ``prefix`` and on each of
+    ``paths`` (vLLM's proxied routes outside ``/v1/``: ``/tokenize``...).
 
     With no keys configured every request passes (the app logs that once at start).
     """
 
     def __init__(self, app: ASGIApp, keys: Sequence[str], refusals: Refusals | None = None,
-                 prefix: str = "/v1/") -> None:
+                 prefix: str = "/v1/", paths: Iterable[str] = ()) -> None:
         self._app = app
         self._keys = [k.encode() for k in keys]
         self._refusals = refusals
         self._prefix = prefix
+        self._paths = frozenset(paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._keys and scope["type"] == "http" and scope["path"].startswith(self._prefix):
+        if self._keys and scope["type"] == "http" and (
+                scope["path"].startswith(self._prefix) or scope["path"] in self._paths):
             presented = bearer(scope["headers"])
             if not self.allows(presented):
                 rid = request_id(scope)

@@ -84,6 +84,25 @@ def test_health_and_version_answer_as_vllm_does(gateway: Gateway) -> None:
         assert http.get("/version").json()["version"]
 
 
+def test_tokenize_and_detokenize_are_proxied_as_vllm_answers_them(
+        gateway: Gateway, sims: tuple[Sim, Sim]) -> None:
+    """vLLM's routes outside /v1/: the same routing by model, the backend's bytes back."""
+    body = {"model": "sim-model", "prompt": "one two three"}
+    with httpx.Client() as http:
+        through = http.post(gateway.url + "/tokenize", json=body)
+        direct = http.post(sims[0].url + "/tokenize", json=body)
+        assert through.status_code == 200 and through.content == direct.content
+        assert through.headers["x-gateway-backend"] in ("a", "b")
+        tokens = through.json()["tokens"]
+        back = http.post(gateway.url + "/detokenize", json={"model": "sim-model",
+                                                            "tokens": tokens})
+        assert back.status_code == 200
+        assert back.content == http.post(sims[0].url + "/detokenize", json={
+            "model": "sim-model", "tokens": tokens}).content
+        assert http.post(gateway.url + "/tokenize", json={"model": "nope", "prompt": "x"}
+                         ).json()["error"]["code"] == "model_not_found"
+
+
 def test_model_served_by_one_backend_only_goes_there(gateway: Gateway) -> None:
     for _ in range(4):
         raw = client(gateway).chat.completions.with_raw_response.create(

@@ -44,6 +44,22 @@ def test_streaming_through_the_gateway(gw: Gateway) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
+def test_tokenize_and_detokenize_through_the_gateway_are_vllms_own_bytes(gw: Gateway) -> None:
+    backends = status(gw)
+    body = {"model": "tiny-llama", "prompt": "hello world, once more"}
+    with httpx.Client(timeout=60) as http:
+        through = http.post(gw.url + "/tokenize", json=body)
+        assert through.status_code == 200, through.text
+        name = through.headers["x-gateway-backend"]
+        direct = http.post(backends[name]["url"] + "/tokenize", json=body)
+        assert through.content == direct.content  # byte for byte, length included
+        assert through.headers["content-length"] == direct.headers["content-length"]
+        tokens = through.json()["tokens"]
+        assert through.json()["count"] == len(tokens) > 0
+        back = http.post(gw.url + "/detokenize", json={"model": "tiny-llama", "tokens": tokens})
+        assert back.status_code == 200 and "hello world, once more" in back.json()["prompt"]
+
+
 def test_sigkilled_instance_is_restarted_and_back_in_rotation(gw: Gateway) -> None:
     before = status(gw)["v1"]
     victims = [int(p) for p in Path(f"/proc/{before['pid']}/task/{before['pid']}/children")

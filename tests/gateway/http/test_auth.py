@@ -43,3 +43,26 @@ def test_refusals_are_counted_and_logged_at_most_once_a_second_without_the_key(
     assert [r.getMessage() for r in caplog.records] == [
         "api key invalid from 10.0.0.1 on /v1/models, request rid",
         "api key missing from 10.0.0.1 on /v1/models, request rid2 (4 more since the last line)"]
+
+
+@pytest.mark.parametrize(("path", "guarded"), [
+    ("/v1/chat/completions", True), ("/tokenize", True), ("/detokenize", True),
+    ("/healthz", False), ("/health", False), ("/tokenize/x", False)])
+def test_the_key_guards_v1_and_the_proxied_paths_outside_it(path: str, guarded: bool) -> None:
+    import asyncio
+
+    reached: list[str] = []
+    sent: list[dict[str, object]] = []
+
+    async def app(scope: dict[str, object], receive: object, send: object) -> None:
+        reached.append(str(scope["path"]))
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    auth = ApiKeyAuth(app, ["k1"], paths=("/tokenize", "/detokenize"))  # type: ignore[arg-type]
+    scope = {"type": "http", "path": path, "headers": [], "method": "POST"}
+    asyncio.run(auth(scope, None, send))  # type: ignore[arg-type]
+    assert (reached == []) is guarded
+    if guarded:
+        assert sent[0]["status"] == 401
