@@ -10,10 +10,11 @@ import logging
 import os
 
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import __version__
 from gateway.build import Parts, build
@@ -48,8 +49,16 @@ class GatewayApp:
             exception_handlers={404: _http_error, 405: _http_error},
         )
         keys = [k.get_secret_value() for k in config.gateway.api_keys]
-        self._guarded = Http10Framing(ApiKeyAuth(self._dispatch, keys, operators.refusals,
-                                                 paths=PROXIED))
+        guarded: ASGIApp = Http10Framing(ApiKeyAuth(self._dispatch, keys, operators.refusals,
+                                                    paths=PROXIED))
+        if config.gateway.cors_origins:
+            # Outside the key check: a browser's preflight carries no key. A request without
+            # an Origin header passes through untouched (and keeps the direct stream path).
+            guarded = CORSMiddleware(
+                guarded, allow_origins=list(config.gateway.cors_origins), allow_methods=["*"],
+                allow_headers=["*"], max_age=600,
+                expose_headers=["x-request-id", "x-gateway-backend", "x-gateway-group"])
+        self._guarded = guarded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._guarded(scope, receive, send)

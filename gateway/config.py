@@ -124,6 +124,7 @@ class GatewaySection(Section):
     public_metrics: bool = True  # false: /metrics, /dashboard... behind the admin key
     keep_alive_timeout: float = Field(default=75.0, gt=0, description="idle between requests")
     media_urls: Literal["allow", "deny_private"] = "allow"  # see gateway.http.media
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     access_log: bool = Field(default=True, description="one log line per request (info)")
