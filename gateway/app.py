@@ -26,9 +26,17 @@ from gateway.http.auth import ApiKeyAuth
 from gateway.http.framing import Http10Framing
 from gateway.lifespan import Lifespan
 from gateway.observability import logs
+from gateway.routing.responses import stored_route
 
-PROXIED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                     "/tokenize", "/detokenize"})
+# vLLM's POST routes that name a model in their JSON body, proxied alike (the audio routes'
+# multipart bodies name it in a form field).
+PROXIED = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+    "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+    "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/pooling", "/classify",
+    "/v1/audio/transcriptions", "/v1/audio/translations",
+})
+STORED = "/v1/responses/"  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
 
 
 class GatewayApp:
@@ -64,13 +72,20 @@ class GatewayApp:
         await self._guarded(scope, receive, send)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in PROXIED:
-            if scope["method"] == "POST":
+        if scope["type"] == "http":
+            path = scope["path"]
+            allowed = ("POST" if path in PROXIED else
+                       stored[1] if path.startswith(STORED) and (stored := stored_route(path))
+                       else None)
+            if allowed == scope["method"]:
                 await self.parts.proxy(scope, receive, send)
-            else:
-                body = error_body("use POST", "invalid_request_error", "method_not_allowed")
-                await send_json(send, 405, body, request_id(scope), [(b"allow", b"POST")])
-            return
+                return
+            if allowed is not None:
+                body = error_body(f"use {allowed}", "invalid_request_error",
+                                  "method_not_allowed")
+                await send_json(send, 405, body, request_id(scope),
+                                [(b"allow", allowed.encode())])
+                return
         await self._other(scope, receive, send)
 
     async def _models(self, request: Request) -> Response:

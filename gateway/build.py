@@ -41,6 +41,7 @@ from gateway.routing.names import ModelNames
 from gateway.routing.pins import PinStore
 from gateway.routing.policies import make_policy
 from gateway.routing.pool import BackendPool
+from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.state.embedded import EmbeddedValkey
 from gateway.state.link import RedisLink
@@ -137,7 +138,8 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
                          dropped=metrics.reply_cache_dropped)
     degraded = Degraded(config.degraded, replies, metrics)
     upstream = make_upstream(config.upstream)
-    proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms)
+    responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
+    proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
 

@@ -190,11 +190,11 @@ class RoutingSection(Section):
                                             SessionSource(SessionFrom.BODY, "user"))
     session_key_max_len: int = Field(default=256, ge=1, le=4096)
     policy: Literal["least_loaded", "round_robin", "prefix"] = "least_loaded"
-    # Where a new session is pinned. Measured on real vLLM (docs/BENCHMARKS.md, GPU):
-    # placing pins by instantaneous load clumps sessions that are between turns onto the
-    # same instance; turn-taking spreads them evenly, as a client pinning by itself does.
+    # Where a new session is pinned. Measured on real vLLM (docs/BENCHMARKS.md, GPU): by
+    # load clumps sessions that are between turns; turn-taking spreads them evenly.
     pin_policy: Literal["least_loaded", "round_robin", "prefix"] = "round_robin"
     sticky: bool = True
+    pin_responses: bool = True  # a stored response's follow-ups go where it is stored
     session_ttl: float = Field(default=3600.0, gt=0, description="pin lifetime, refreshed on use")
     prefix_chars: int = Field(default=512, ge=16, description="prompt head to hash")
     bounded_load_factor: float = Field(default=1.25, ge=1.0, description="prefix policy cap")

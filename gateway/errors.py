@@ -50,6 +50,22 @@ class ModelNotFound(GatewayError):
     code = "model_not_found"
 
 
+class ResponseNotFound(GatewayError):
+    """A stored response (the Responses API) the gateway has no record of."""
+
+    status = 404
+    kind = "invalid_request_error"
+    code = "response_not_found"
+
+
+class ResponseUnavailable(GatewayError):
+    """A stored response whose backend can't be reached now: no other one holds it."""
+
+    status = 503
+    kind = "service_unavailable"
+    code = "response_unavailable"
+
+
 class RequestTimeout(GatewayError):
     status = 408
     kind = "invalid_request_error"

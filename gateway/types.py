@@ -31,6 +31,9 @@ class Request:
     started: float = 0.0  # loop time the body was in
     client: str = ""  # the address the gateway believes (gateway.http.forwarded)
     forwarded_for: bytes = b""  # the X-Forwarded-For sent upstream
+    method: str = "POST"
+    creates: str | None = None  # the id of the stored response it makes (Responses API)
+    follows: str | None = None  # the stored response it continues, retrieves or cancels
 
 
 class StreamCause(enum.StrEnum):

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from backends.asgi import Receive, Scope, Send, cancel_on_disconnect, read_body
-from backends.sim import replies, validate
+from backends.sim import more, replies, validate
 from backends.sim.bodies import Completion, prompt_bytes
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import PrefixCache
@@ -22,6 +22,8 @@ __all__ = ["SimApp", "SimStats", "SimulatedCrash"]
 DEFAULT_MAX_MODEL_LEN = 8192  # what /v1/models reports when --max-prompt-len is off
 METRICS = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+STORED = more.RESPONSES + "/"
+MAX_STORED = 10_000
 
 
 class _StreamEnded(Exception):
@@ -54,12 +56,17 @@ class SimApp:
         self.stats = SimStats()
         self.prefix = PrefixCache()
         self._random = random.Random(options.seed)
+        self.stored: dict[str, dict[str, Any]] = {}  # the Responses API's store (in memory)
         self._routes: dict[str, tuple[str, Handler]] = {
             validate.CHAT: ("POST", self._completion),
             validate.COMPLETIONS: ("POST", self._completion),
             validate.EMBEDDINGS: ("POST", self._embeddings),
             validate.TOKENIZE: ("POST", self._tokenize),
             validate.DETOKENIZE: ("POST", self._detokenize),
+            more.RESPONSES: ("POST", self._responses),
+            more.MESSAGES: ("POST", self._messages),
+            **dict.fromkeys(more.AUDIO, ("POST", self._audio)),
+            **dict.fromkeys((*more.RERANK, *more.SCORE, more.POOLING), ("POST", self._pooling)),
             "/health": ("GET", self._health),
             "/version": ("GET", self._version),
             "/v1/models": ("GET", self._models),
@@ -72,6 +79,8 @@ class SimApp:
             await _lifespan(receive, send)
             return
         route = self._routes.get(scope["path"])
+        if route is None and scope["path"].startswith(STORED):
+            route = ("POST" if scope["path"].endswith("/cancel") else "GET", self._stored)
         if route is None:
             await respond(send, 404, replies.detail_body("Not Found"))
         elif scope["method"] != route[0]:
@@ -256,6 +265,74 @@ class SimApp:
         body = await self._read(scope, receive, send)
         if body is not None:
             await respond(send, 200, replies.detokenize_body([int(t) for t in body["tokens"]]))
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        prepared = await self._prepare(scope, receive, send)
+        if prepared is None:
+            return
+        body, opts = prepared
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.stored:
+            await respond(send, 404, more.response_not_found(str(previous)))
+            return
+        n = int(body.get("max_output_tokens") or opts.tokens)
+        done = more.response(body, n, len(orjson.dumps(body.get("input", ""))))
+        if body.get("store", True):
+            if len(self.stored) >= MAX_STORED:
+                self.stored.pop(next(iter(self.stored)))
+            self.stored[done["id"]] = done
+        await asyncio.sleep(opts.ttft)
+        if not body.get("stream"):
+            await self._whole(send, orjson.dumps(done), opts)
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        for event in more.response_events(done, n):
+            await write(send, event, opts.split, more=True)
+        await write(send, b"", opts.split)
+
+    async def _stored(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
+        response_id = scope["path"][len(STORED):].removesuffix("/cancel")
+        found = self.stored.get(response_id)
+        if found is None:
+            await respond(send, 404, more.response_not_found(response_id))
+        elif scope["path"].endswith("/cancel"):  # every simulated response is synchronous
+            await respond(send, 400, error_body(400, "Cannot cancel a synchronous response.",
+                                                "invalid_request_error", "response_id"))
+        else:
+            await respond(send, 200, orjson.dumps(found))
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        prepared = await self._prepare(scope, receive, send)
+        if prepared is not None:
+            body, opts = prepared
+            prompt = len(orjson.dumps(body.get("messages")))
+            await asyncio.sleep(opts.ttft)
+            await self._whole(send, more.message_body(
+                str(body["model"]), int(body.get("max_tokens") or opts.tokens), prompt), opts)
+
+    async def _audio(self, scope: Scope, receive: Receive, send: Send) -> None:
+        prepared = await self._prepare(scope, receive, send)
+        if prepared is not None:
+            body, opts = prepared
+            await self._whole(send, more.audio_body(scope["path"], int(body["file"])), opts)
+
+    async def _pooling(self, scope: Scope, receive: Receive, send: Send) -> None:
+        prepared = await self._prepare(scope, receive, send)
+        if prepared is None:
+            return
+        body, opts = prepared
+        path, model = scope["path"], str(body["model"])
+        if path in more.RERANK:
+            reply = more.rerank_body(model, str(body["query"]), more.texts(body["documents"]),
+                                     body.get("top_n"))
+        elif path in more.SCORE:
+            first = body.get("text_1", body.get("queries", body.get("data_1")))
+            second = body.get("text_2", body.get("documents", body.get("data_2")))
+            reply = more.score_body(model, more.texts(first)[0], more.texts(second))
+        else:
+            reply = more.pooling_body(model, more.texts(body["input"]))
+        await self._whole(send, reply, opts)
 
 
 def _inputs(value: object) -> list[str]:

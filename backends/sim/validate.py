@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
+from backends.sim import more
 from backends.sim.replies import error_body, unknown_model
 
 CHAT = "/v1/chat/completions"
@@ -20,6 +23,10 @@ EMBEDDINGS = "/v1/embeddings"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 ENCODING_FORMATS = ("float", "base64")
+REQUIRED: dict[str, tuple[str, ...]] = {
+    more.RESPONSES: ("input",), more.MESSAGES: ("messages", "max_tokens"),
+    more.POOLING: ("input",), **dict.fromkeys(more.RERANK, ("query", "documents")),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +50,8 @@ def _missing(field: str, body: dict[str, Any]) -> Rejected:
 
 def parse(path: str, content_type: str, raw: bytes) -> dict[str, Any] | Rejected:
     """The request body as vLLM would accept it, or what vLLM answers instead."""
+    if path in more.AUDIO:
+        return _form(content_type, raw)
     if content_type.split(";", 1)[0].strip().lower() != "application/json":
         message = ("1 validation error:\n"
                    "  Unsupported Media Type: Only 'application/json' is allowed")
@@ -84,6 +93,11 @@ def _required(path: str, body: dict[str, Any]) -> Rejected | None:
         if body.get("encoding_format", "float") not in ENCODING_FORMATS:
             return _validation("literal_error", "body.encoding_format",
                                "Input should be 'float' or 'base64' (the simulator's formats)")
+    for field in REQUIRED.get(path, ()):
+        if field not in body:
+            return _missing(field, body)
+    if path in more.SCORE and not any(f in body for f in ("text_1", "queries", "data_1")):
+        return _missing("queries", body)
     if path == TOKENIZE and "prompt" not in body and "messages" not in body:
         return _missing("prompt", body)
     if path == TOKENIZE and "prompt" in body and not isinstance(body["prompt"], str):
@@ -106,3 +120,37 @@ def check_model(path: str, body: dict[str, Any], served: tuple[str, ...]) -> Rej
     if not model or model in served:
         return None
     return Rejected(404, unknown_model(model, served, pooling=path == EMBEDDINGS))
+
+
+def _form(content_type: str, raw: bytes) -> dict[str, Any] | Rejected:
+    """A multipart upload as vLLM's form model reads it: the text fields, and ``file`` as
+    the number of bytes uploaded (the simulator does not listen)."""
+    fields: dict[str, Any] = {}
+    current: dict[str, Any] = {}
+
+    def header_value(data: bytes, start: int, end: int) -> None:
+        _, params = parse_options_header(data[start:end])
+        if b"name" in params:
+            current.update(name=params[b"name"].decode(), file=b"filename" in params, data=[])
+
+    def part_data(data: bytes, start: int, end: int) -> None:
+        current["data"].append(data[start:end])
+
+    def part_end() -> None:
+        value = b"".join(current.pop("data", []))
+        if "name" in current:
+            fields[current["name"]] = len(value) if current["file"] else value.decode()
+        current.clear()
+
+    _, params = parse_options_header(content_type.encode("latin-1"))
+    try:
+        parser = MultipartParser(params.get(b"boundary", b""), {
+            "on_header_value": header_value, "on_part_data": part_data,
+            "on_part_end": part_end})
+        parser.write(raw)
+        parser.finalize()
+    except (MultipartParseError, ValueError):
+        return _validation("value_error", "body", "There was an error parsing the body")
+    if "file" not in fields:
+        return _missing("file", fields)
+    return fields

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from starlette.types import Receive, Scope, Send
 
@@ -16,14 +17,14 @@ from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.canary.shadow import Shadow
 from gateway.canary.tally import Tally
-from gateway.config import Config, SessionFrom
+from gateway.config import Config
 from gateway.errors import (
-    BadRequest,
     GatewayError,
     ModelNotFound,
     Overloaded,
     PayloadTooLarge,
     RequestTimeout,
+    ResponseUnavailable,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -32,22 +33,22 @@ from gateway.http.asgi import (
     CLOSE,
     BodyBudget,
     content_length,
-    json_object,
     request_id,
     send_error,
 )
 from gateway.http.deadline import Deadline
-from gateway.http.forwarded import Forwarding
 from gateway.http.headers import upstream_request_headers
 from gateway.http.sink import Hangup
 from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
+from gateway.proxy.parse import RequestParser
 from gateway.proxy.relay import Relay, header
 from gateway.resilience.attempt import Attempt, Failed, Next, busy_for, judge, retriable, settled
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.degraded import Degraded
 from gateway.resilience.retry import RetryBudget, backoff
 from gateway.routing.pool import BackendPool
+from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.types import Record, Request
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
@@ -61,8 +62,10 @@ class Proxy:
     def __init__(
         self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
         degraded: Degraded, metrics: Metrics, canary: Canary, arms: Arms,
+        responses: ResponsePins,
     ) -> None:
         self._pool = pool
+        self._responses = responses
         self._canary = canary
         self._arms = arms
         self._tally = Tally(metrics, canary)
@@ -76,13 +79,11 @@ class Proxy:
         self._router = router
         self._budget = RetryBudget(config.upstream.retry_budget_ratio,
                                    config.upstream.retry_budget_floor)
-        self._max_session_key = config.routing.session_key_max_len
         self._max_body = config.gateway.max_body_bytes
         self._held = BodyBudget(config.gateway.max_buffered_bytes)
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
-        self._session_sources = config.routing.session_keys
-        self._forwarding = Forwarding(config.gateway.trusted_proxies)
+        self._parse = RequestParser(config, responses)
         self._media_check = config.gateway.media_urls == "deny_private"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -99,7 +100,7 @@ class Proxy:
         watcher = Hangup(scope, receive)
         record = None
         try:
-            record = Record(self._request(scope, body, rid, begun))
+            record = Record(self._parse(scope, body, rid, begun))
             if self._media_check:
                 await media.check(record.request.payload)
             await self._serve(record, send, deadline)
@@ -166,55 +167,28 @@ class Proxy:
                            asyncio.get_running_loop().time() - begun)
         return None
 
-    def _request(self, scope: Scope, body: bytes, rid: str, begun: float) -> Request:
-        payload = json_object(body, BadRequest, "request body")
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("'model' is required and must be a non-empty string")
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        peer = scope.get("client")
-        client, forwarded_for = self._forwarding.client(peer[0] if peer else "", headers)
-        return Request(
-            request_id=rid,
-            path=scope["path"],
-            model=model,
-            stream=payload.get("stream") is True,
-            session_key=self._session_key(headers, payload),
-            body=body,
-            headers=headers,
-            payload=payload,
-            started=begun,
-            client=client,
-            forwarded_for=forwarded_for,
-        )
-
-    def _session_key(
-        self, headers: list[tuple[bytes, bytes]], payload: dict[str, object]
-    ) -> str | None:
-        for source in self._session_sources:
-            value: object
-            if source.kind is SessionFrom.HEADER:
-                value = next((v.decode("latin-1") for k, v in headers if k == source.header),
-                             None)
-            else:
-                value = payload.get(source.name)
-            if isinstance(value, str) and value:
-                if len(value) > self._max_session_key:
-                    raise BadRequest(
-                        f"session key is longer than {self._max_session_key} characters")
-                return value
-        return None
-
     async def _serve(self, record: Record, send: Send, deadline: Deadline) -> None:
+        self._budget.deposit()
+        only = await self._stored(record) if record.request.follows else None
+        if only is None:
+            arm = self._arms.assign(record)  # the session's stored arm: with its pin, one trip
+            drawn = record.group  # the task may change it as soon as the pin lookup yields
+            if arm is None:
+                self._mirror(record)
+            await self._attempts(record, send, deadline, arm, drawn, [])
+        else:  # a stored response's backend, or none: no arm, no mirror, no retry elsewhere
+            await self._attempts(record, send, deadline, None, None,
+                                 [b for b in self._pool.backends if b is not only])
+
+    async def _attempts(self, record: Record, send: Send, deadline: Deadline,
+                        arm: asyncio.Task[None] | None, drawn: str | None,
+                        tried: list[Backend]) -> None:
+        """Attempt after attempt until one is relayed, or none can be; ``tried`` starts
+        with the backends that must not be tried at all."""
         loop = asyncio.get_running_loop()
         request = record.request
         total = loop.time() + self._timeouts.total_timeout
-        self._budget.deposit()
-        arm = self._arms.assign(record)  # the session's stored arm: with its pin, one trip
-        drawn = record.group  # the task may change it as soon as the pin lookup yields
-        if arm is None:
-            self._mirror(record)
-        tried: list[Backend] = []
+        excluded = len(tried)
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
             ticket = await self._router.choose(request, record.group, tried)
@@ -248,7 +222,25 @@ class Proxy:
                 deadline.stream(self._timeouts.idle_timeout, total)
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
-        await self._exhausted(record, send, tried, failure)
+        await self._exhausted(record, send, tried[excluded:], failure)
+
+    async def _stored(self, record: Record) -> Backend | None:
+        """The backend holding the stored response a request names (None: any may take it).
+        A retrieval or cancel takes its model from that backend (its route has none)."""
+        request = record.request
+        assert request.follows is not None
+        retrieval = not request.model
+        backend = (await self._responses.where(request.follows, retrieval)
+                   if self._responses.enabled else None)
+        if retrieval:
+            names = self._pool.names
+            models = ([names.client(backend.spec.group, m) for m in sorted(backend.models)]
+                      if backend is not None else self._pool.models())
+            if not models:
+                raise ResponseUnavailable(f"no backend can look up response "
+                                          f"'{request.follows[:256]}' now")
+            record.request = replace(request, model=models[0])
+        return backend
 
     async def _settle_arm(self, record: Record, arm: asyncio.Task[None],
                           drawn: str | None, ticket: Ticket | None) -> Ticket | None:
@@ -349,8 +341,11 @@ class Proxy:
                                            request.forwarded_for)
         body = self._pool.names.body_for(request, backend.spec.group)
         try:
-            return await self._upstream.request("POST", backend.url + request.path, headers,
-                                                body)
+            reply = await self._upstream.request(request.method, backend.url + request.path,
+                                                 headers, body)
+            if request.creates is not None and reply.status == 200:
+                await self._responses.record(request.creates, backend)
+            return reply
         except ConnectFailed as exc:
             log.warning("request %s: backend %s unreachable: %s", request.request_id,
                         backend.name, exc)
