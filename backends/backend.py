@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from backends.spec import BackendSpec
 
@@ -43,8 +44,8 @@ class Backend:
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("_state", "_streak", "busy_until", "flaps", "in_flight", "last_probe", "load",
-                 "models", "pid", "restarts", "spec", "started_at", "url")
+    __slots__ = ("_state", "_streak", "busy_until", "cards", "flaps", "in_flight", "last_probe",
+                 "load", "models", "pid", "restarts", "spec", "started_at", "url")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
@@ -52,6 +53,7 @@ class Backend:
         self._state = BackendState.STARTING
         self.in_flight = 0
         self.models: frozenset[str] = frozenset()
+        self.cards: dict[str, dict[str, Any]] = {}  # each model's entry in vLLM's /v1/models
         self.flaps = 0
         self.restarts = 0
         self.pid: int | None = None
@@ -125,7 +127,8 @@ class Backend:
         self._state = BackendState.FAILED
 
     def adopt(self, state: BackendState, pid: int | None, started_at: float | None,
-              restarts: int, models: frozenset[str] = frozenset()) -> None:
+              restarts: int, models: frozenset[str] = frozenset(),
+              cards: dict[str, dict[str, Any]] | None = None) -> None:
         """What its owner in another process says (a serving worker's copy of a backend
         whose life the control process runs: its supervisor, or an operator's drain); the
         models it serves, when that owner knows them."""
@@ -133,7 +136,13 @@ class Backend:
         self._streak = 0
         self.pid, self.started_at, self.restarts = pid, started_at, restarts
         if models:
-            self.models = models
+            self.learn(models, cards)
+
+    def learn(self, models: frozenset[str], cards: dict[str, dict[str, Any]] | None) -> None:
+        """What it serves, and vLLM's card of each model (``max_model_len``, ``root``...)."""
+        self.models = models
+        if cards is not None:
+            self.cards = cards
 
     def observe_probe(self, ok: bool, fall: int, rise: int) -> bool:
         """Apply one health-probe result; return True when the state changed.

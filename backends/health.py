@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -32,6 +33,7 @@ class HealthSettings(BaseModel):
 class ProbeResult:
     ok: bool
     models: frozenset[str] | None = None
+    cards: dict[str, dict[str, Any]] | None = None  # vLLM's /v1/models entries, by id
 
 
 Probe = Callable[[Backend], Awaitable[ProbeResult]]
@@ -72,8 +74,8 @@ class HttpProbe:
                 if resp.status != 200:
                     return ProbeResult(ok=False)
                 payload = orjson.loads(await resp.read())
-            models = frozenset(str(m["id"]) for m in payload.get("data", []))
-            return ProbeResult(ok=True, models=models)
+            cards = {str(m["id"]): m for m in payload.get("data", []) if isinstance(m, dict)}
+            return ProbeResult(ok=True, models=frozenset(cards), cards=cards)
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
             return ProbeResult(ok=False)
 
@@ -101,7 +103,7 @@ class HealthChecker:
 
     def apply(self, backend: Backend, result: ProbeResult) -> None:
         if result.models is not None:
-            backend.models = result.models
+            backend.learn(result.models, result.cards)
         backend.last_probe = "ok" if result.ok else "failed"
         before = backend.state
         if backend.observe_probe(result.ok, self._settings.fall, self._settings.rise):

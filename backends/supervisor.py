@@ -285,7 +285,7 @@ class Supervisor:
             result = await self._probe(self.backend)
             self.backend.last_probe = "ok" if result.ok else "failed (starting)"
             if result.ok and result.models:
-                self.backend.models = result.models
+                self.backend.learn(result.models, result.cards)
                 return True
             await asyncio.wait({exited}, timeout=self._settings.startup_probe_interval)
         return False

@@ -89,13 +89,14 @@ class GatewayApp:
         await self._other(scope, receive, send)
 
     async def _models(self, request: Request) -> Response:
-        data = [_card(m) for m in self.parts.pool.models()]
+        data = list(self.parts.pool.cards().values())
         return JSONResponse({"object": "list", "data": data})
 
     async def _model(self, request: Request) -> Response:
         model = request.path_params["model"]
-        if model in self.parts.pool.models():
-            return JSONResponse(_card(model))
+        card = self.parts.pool.cards().get(model)
+        if card is not None:
+            return JSONResponse(card)
         body = error_body(f"The model `{model[:200]}` does not exist.", "invalid_request_error",
                           "model_not_found", "model")
         return Response(body, 404, media_type="application/json")
@@ -107,10 +108,6 @@ class GatewayApp:
 
     async def _version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
-
-
-def _card(model: str) -> dict[str, object]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "vllm-gateway"}
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -88,7 +88,8 @@ class ControlLink:
                 # With the models its supervisor learned: this worker's own probe may not
                 # have reached the backend yet, and a ready backend serving nothing is a 404.
                 backend.adopt(BackendState(state), info["pid"], info["started_at"],
-                              info["restarts"], frozenset(info.get("models") or ()))
+                              info["restarts"], frozenset(info.get("models") or ()),
+                              info.get("cards"))
 
     async def run(self) -> None:
         while True:

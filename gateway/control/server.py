@@ -72,7 +72,7 @@ class Workers:
         for b in self._pool.backends:
             supervisor = self._supervisors.get(b.name)
             out[b.name] = {"state": b.state.value, "pid": b.pid, "started_at": b.started_at,
-                           "restarts": b.restarts, "models": sorted(b.models),
+                           "restarts": b.restarts, "models": sorted(b.models), "cards": b.cards,
                            "problem": supervisor.problem if supervisor is not None else None}
         return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from backends.backend import Backend
 from gateway.config import ModelRoute
@@ -53,6 +54,25 @@ class BackendPool:
         """The union of models over routable backends, by the names clients use."""
         return sorted({self.names.client(b.spec.group, m)
                        for b in self.backends if b.routable for m in b.models})
+
+    def cards(self) -> dict[str, dict[str, Any]]:
+        """``/v1/models``: each model by the name clients use, with the fields vLLM gave it
+        (``max_model_len``, ``root``, ``parent``, ``owned_by``, ``permission``...) as its
+        first routable backend reports them; ``max_model_len`` is the smallest any of them
+        takes, so a prompt that fits one fits them all."""
+        merged: dict[str, dict[str, Any]] = {}
+        for b in self.backends:
+            if not b.routable:
+                continue
+            for served in sorted(b.models):
+                name = self.names.client(b.spec.group, served)
+                card = b.cards.get(served) or {"object": "model", "created": 0,
+                                               "owned_by": "vllm", "root": served}
+                seen = merged.setdefault(name, {**card, "id": name})
+                if isinstance(limit := card.get("max_model_len"), int) and isinstance(
+                        seen.get("max_model_len"), int):
+                    seen["max_model_len"] = min(seen["max_model_len"], limit)
+        return dict(sorted(merged.items()))
 
     @property
     def ready(self) -> bool:

@@ -14,6 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = REPO / "models" / "tiny-llama"
 STARTUP = 600
+# The Responses API keeps stored responses only with this on (vLLM 0.32, vllm/envs.py).
+ENV = 'VLLM_CPU_KVCACHE_SPACE = "1", VLLM_ENABLE_RESPONSES_API_STORE = "1"'
 
 
 def vllm_backend(name: str, core: int) -> str:
@@ -26,7 +28,7 @@ served_model_name = "tiny-llama"
 port = {free_port()}
 python = "{PYTHON}"
 args = ["--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager"]
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1", VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
+env = {{ {ENV}, VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
 startup_timeout = {STARTUP}
 """
 
