@@ -6,9 +6,13 @@ imports this module except the CLI.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from importlib import resources
 
+import orjson
+import yaml
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -51,6 +55,7 @@ class GatewayApp:
                     Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                     Route("/health", self._health, methods=["GET"]),
                     Route("/version", self._version, methods=["GET"]),
+                    Route("/openapi.json", self._openapi, methods=["GET"]),
                     *operators.ops.routes(), *operators.admin.routes(),
                     *operators.canary.routes()],
             lifespan=Lifespan(parts, config),
@@ -108,6 +113,17 @@ class GatewayApp:
 
     async def _version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
+
+    async def _openapi(self, request: Request) -> Response:
+        return Response(_openapi(), media_type="application/json")
+
+
+@functools.cache
+def _openapi() -> bytes:
+    """The gateway's OpenAPI document (``gateway/openapi.yaml``), read once, as JSON."""
+    document = yaml.safe_load(resources.files("gateway").joinpath("openapi.yaml").read_text())
+    document["info"]["version"] = __version__
+    return orjson.dumps(document)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

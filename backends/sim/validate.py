@@ -23,6 +23,7 @@ EMBEDDINGS = "/v1/embeddings"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 ENCODING_FORMATS = ("float", "base64")
+LIMITED = frozenset({CHAT, COMPLETIONS, more.RESPONSES, more.MESSAGES, *more.RERANK})
 REQUIRED: dict[str, tuple[str, ...]] = {
     more.RESPONSES: ("input",), more.MESSAGES: ("messages", "max_tokens"),
     more.POOLING: ("input",), **dict.fromkeys(more.RERANK, ("query", "documents")),
@@ -68,7 +69,7 @@ def parse(path: str, content_type: str, raw: bytes) -> dict[str, Any] | Rejected
 
 def _limits(body: dict[str, Any]) -> Rejected | None:
     """Token limits are integers (or null), as vLLM's request models say."""
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens", "top_n"):
         value = body.get(field)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             return _validation("int_parsing", f"body.{field}",
@@ -79,7 +80,7 @@ def _limits(body: dict[str, Any]) -> Rejected | None:
 
 
 def _required(path: str, body: dict[str, Any]) -> Rejected | None:
-    if path in (CHAT, COMPLETIONS) and (bad := _limits(body)) is not None:
+    if path in LIMITED and (bad := _limits(body)) is not None:
         return bad
     if path == CHAT and "messages" not in body:
         return _missing("messages", body)

@@ -17,6 +17,7 @@ from tests.integration.vllm_setup import STARTUP, status
 pytestmark = pytest.mark.timeout(STARTUP + 300)
 
 CONVERSATIONS = 20
+DONE = ("completed", "incomplete")
 
 
 def sdk(gw: Gateway) -> openai.OpenAI:
@@ -37,7 +38,8 @@ def conversations(gw: Gateway) -> tuple[int, list[str]]:
         except openai.APIStatusError as exc:
             failures.append(f"{exc.status_code}: {exc.message[:120]}")
             continue
-        ok += second.previous_response_id == first.id and second.status == "completed"
+        # "incomplete": it stopped at max_output_tokens, as asked.
+        ok += second.previous_response_id == first.id and second.status in DONE
     return ok, failures
 
 
@@ -79,7 +81,7 @@ def test_streamed_response_retrieved_by_id_from_the_instance_that_stored_it(
     where = None
     for _ in range(4):  # alone, a retrieval would land on either instance
         raw = client.responses.with_raw_response.retrieve(final.id)
-        assert raw.parse().id == final.id and raw.parse().status == "completed"
+        assert raw.parse().id == final.id and raw.parse().status in DONE
         where = where or raw.headers["x-gateway-backend"]
         assert raw.headers["x-gateway-backend"] == where
     # vLLM's own answer to cancelling a finished response, from that same instance.
