@@ -83,7 +83,7 @@ class Proxy:
         self._held = BodyBudget(config.gateway.max_buffered_bytes)
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
-        self._parse = RequestParser(config, responses)
+        self._parse = RequestParser(config, responses, pool)
         self._media_check = config.gateway.media_urls == "deny_private"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -10,13 +10,15 @@ from gateway.errors import BadRequest
 from gateway.http.asgi import json_object
 from gateway.http.form import form_fields, is_form
 from gateway.http.forwarded import Forwarding
+from gateway.routing.pool import BackendPool
 from gateway.routing.responses import RESPONSES, ResponsePins, stored_route
 from gateway.types import Request
 
 
 class RequestParser:
-    def __init__(self, config: Config, responses: ResponsePins) -> None:
+    def __init__(self, config: Config, responses: ResponsePins, pool: BackendPool) -> None:
         self._responses = responses
+        self._pool = pool
         self._max_session_key = config.routing.session_key_max_len
         self._session_sources = config.routing.session_keys
         self._forwarding = Forwarding(config.gateway.trusted_proxies)
@@ -32,6 +34,8 @@ class RequestParser:
         else:
             payload = _payload(scope["headers"], body)
             model = payload.get("model")
+            if model is None:
+                model = self._default_model()
             if not isinstance(model, str) or not model:
                 raise BadRequest("'model' is required and must be a non-empty string")
             if path == RESPONSES:
@@ -45,6 +49,15 @@ class RequestParser:
             payload=payload, started=begun, client=client, forwarded_for=forwarded_for,
             method=method, creates=creates, follows=follows,
         )
+
+    def _default_model(self) -> str:
+        """No ``model``: the one model served, as vLLM takes its own; with several, which
+        one is meant can't be told."""
+        served = self._pool.models()
+        if len(served) == 1:
+            return served[0]
+        raise BadRequest("'model' is required: this gateway serves "
+                         f"{len(served)} models (GET /v1/models lists them)", "model")
 
     def _session_key(
         self, headers: list[tuple[bytes, bytes]], payload: dict[str, object]

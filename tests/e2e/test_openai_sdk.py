@@ -155,3 +155,11 @@ def test_dead_backend_is_skipped_and_ties_rotate(gateway: Gateway, sims: tuple[S
     assert "dead" not in seen
     # Sequential requests leave both idle, so the tie rotates between them.
     assert seen.count("a") == 5 and seen.count("b") == 5
+
+
+def test_without_a_model_a_gateway_serving_several_answers_400(gateway: Gateway) -> None:
+    reply = httpx.post(gateway.url + "/v1/chat/completions", json={"messages": MESSAGES},
+                       timeout=10)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "model" and "serves 2 models" in error["message"]
