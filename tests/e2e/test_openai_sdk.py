@@ -78,9 +78,14 @@ def test_unknown_paths_and_methods_are_openai_format_errors(gateway: Gateway) ->
 
 
 def test_health_and_version_answer_as_vllm_does(gateway: Gateway) -> None:
+    """GuideLLM's backend check (0.8.1, ``OpenAIHTTPBackend.validate``/``default_model``):
+    ``GET /health`` must be 2xx or it refuses to send load; without a model named it takes
+    the first id of ``GET /v1/models``. (GuideLLM itself needs CUDA torch, 6 GB: it ran
+    here once by hand, 3 of 3 requests through the gateway; README "Tools".)"""
     with httpx.Client(base_url=gateway.url) as http:
         health = http.get("/health")
         assert health.status_code == 200 and health.content == b""
+        assert http.get("/v1/models").json()["data"][0]["id"] == "other-model"
         assert http.get("/version").json()["version"]
 
 
