@@ -61,9 +61,8 @@ class GatewayApp:
             lifespan=Lifespan(parts, config),
             exception_handlers={404: _http_error, 405: _http_error},
         )
-        keys = [k.get_secret_value() for k in config.gateway.api_keys]
-        guarded: ASGIApp = Http10Framing(ApiKeyAuth(self._dispatch, keys, operators.refusals,
-                                                    paths=PROXIED))
+        guarded: ASGIApp = Http10Framing(ApiKeyAuth(self._dispatch, parts.keyring,
+                                                    operators.refusals, paths=PROXIED))
         if config.gateway.cors_origins:
             # Outside the key check: a browser's preflight carries no key. A request without
             # an Origin header passes through untouched (and keeps the direct stream path).

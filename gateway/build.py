@@ -45,6 +45,9 @@ from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.state.embedded import EmbeddedValkey
 from gateway.state.link import RedisLink
+from gateway.tenants.gate import TenantGate
+from gateway.tenants.keyring import Keyring
+from gateway.tenants.limits import Limits
 from gateway.upstream import Upstream, make_upstream
 
 
@@ -79,6 +82,7 @@ class Parts:
     role: Role
     workers: Workers | None  # the control process: its serving workers
     link: ControlLink | None  # a serving worker: its line to the control process
+    keyring: Keyring  # the API keys and their tenants
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     """Every part, whole, from ``config`` (read from ``path``, which a reload reads again),
     for the process ``role`` says this is (see ``gateway.control``)."""
     metrics = Metrics()
+    keyring = Keyring(config.keys, config.gateway.api_keys)
     breakers = Breakers(config.breaker, [spec.name for spec in config.backends],
                         [MetricsListener(metrics)])
     pool = BackendPool([Backend(spec) for spec in config.backends], breakers.allows,
@@ -139,7 +144,11 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     degraded = Degraded(config.degraded, replies, metrics)
     upstream = make_upstream(config.upstream)
     responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
-    proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses)
+    limits = Limits(link, config.limits, config.gateway.processes,
+                    config.upstream.total_timeout, metrics)
+    usage = config.accounting.stream_usage
+    proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses,
+                  TenantGate(limits), usage == "inject" or (usage == "auto" and bool(config.keys)))
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
 
@@ -160,7 +169,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
                            shared, workers, control)
     return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
                  probe, checker, supervisors, status, reloadable, shared, operators, role,
-                 workers, control)
+                 workers, control, keyring)
 
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,

@@ -38,8 +38,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = _load_or_exit(args.config)
     logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
-    if not config.gateway.api_keys:
-        log.warning("no [gateway] api_keys configured: the gateway is open to any client")
+    if not config.gateway.api_keys and not config.keys:
+        log.warning("no [[keys]] or [gateway] api_keys configured: the gateway is open to "
+                    "any client")
     path = str(Path(args.config).resolve())
     processes = config.gateway.processes
     if processes > 1:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import enum
 import os
 import tomllib
-from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,6 +25,8 @@ from pydantic import (
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
+from gateway.config_checks import duplicate_keys, duplicate_names, duplicate_ports
+from gateway.tenancy import AccountingSection, KeySpec, LimitsSection
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
 # workers = "auto" stops here: each worker holds its own Redis and upstream connections and
@@ -287,6 +288,9 @@ class Config(Section):
     degraded: DegradedSection = DegradedSection()
     canary: CanarySection = CanarySection()
     models: tuple[ModelRoute, ...] = ()
+    keys: tuple[KeySpec, ...] = ()
+    limits: LimitsSection = LimitsSection()
+    accounting: AccountingSection = AccountingSection()
     backends: tuple[BackendSpec, ...]
 
     @property
@@ -303,41 +307,6 @@ def _message(error: Any) -> str:
         return "required key is missing"
     msg = str(error["msg"])
     return msg.removeprefix("Value error, ")
-
-
-def _duplicate_names(raw: dict[str, Any]) -> list[str]:
-    backends = raw.get("backends")
-    if not isinstance(backends, list):
-        return []
-    names = [b.get("name") for b in backends if isinstance(b, dict)]
-    counts = Counter(n for n in names if isinstance(n, str))
-    problems = []
-    first: dict[str, int] = {}
-    for i, name in enumerate(names):
-        if not isinstance(name, str) or counts[name] < 2:
-            continue
-        if name in first:
-            problems.append(
-                f"backends.{i}.name: duplicate backend name {name!r} "
-                f"(first at backends.{first[name]})"
-            )
-        else:
-            first[name] = i
-    return problems
-
-
-def _duplicate_ports(config: Config) -> list[str]:
-    seen: dict[tuple[str, int], int] = {}
-    problems = []
-    for i, backend in enumerate(config.backends):
-        if backend.spawn is None:
-            continue
-        key = (backend.spawn.host, backend.spawn.port)
-        if key in seen:
-            problems.append(f"backends.{i}.spawn.port: port {key[1]} is also used by "
-                            f"backends.{seen[key]}")
-        seen.setdefault(key, i)
-    return problems
 
 
 def _group_problems(config: Config) -> list[str]:
@@ -369,10 +338,11 @@ def parse(raw: dict[str, Any]) -> Config:
         for error in exc.errors():
             path = ".".join(str(part) for part in error["loc"]) or "(top level)"
             problems.append(f"{path}: {_message(error)}")
-    problems.extend(_duplicate_names(raw))
+    problems.extend(duplicate_names(raw, "backends"))
+    problems.extend(duplicate_names(raw, "keys"))
     if config is not None:
-        problems.extend(_duplicate_ports(config))
-    if config is not None:
+        problems.extend(duplicate_ports(config.backends))
+        problems.extend(duplicate_keys(config.keys, config.gateway.api_keys))
         problems.extend(_group_problems(config))
     if (config is not None and config.upstream.client == "httpx"
             and config.upstream.max_connections_per_backend):

@@ -23,6 +23,8 @@ class GatewayError(Exception):
     kind = "server_error"
     code = "internal_error"
 
+    headers: list[tuple[bytes, bytes]] | None = None  # sent with it (Retry-After...)
+
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
@@ -64,6 +66,25 @@ class ResponseUnavailable(GatewayError):
     status = 503
     kind = "service_unavailable"
     code = "response_unavailable"
+
+
+class RateLimited(GatewayError):
+    """A key's limit: answered 429 with ``Retry-After``."""
+
+    status = 429
+    kind = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after: int, kind: str = "requests") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.headers = [(b"retry-after", str(max(1, retry_after)).encode())]
+
+
+class Forbidden(GatewayError):
+    status = 403
+    kind = "permission_error"
+    code = "model_not_allowed"
 
 
 class RequestTimeout(GatewayError):

@@ -104,6 +104,14 @@ class Metrics:
             "gateway_stream_failures_total", "Replies that failed after their headers went out: "
             "dropped (connection lost), stalled (idle timeout), inband (error event in a 200)",
             ("cause",))
+        # Tenants: the key's name (bounded to the configured names), never the key.
+        self.tokens = counter(
+            "gateway_tokens_total", "Tokens vLLM reported (usage), by key name, model and kind "
+            "(prompt, completion)", ("key", "model", "kind"))
+        self.limit_rejections = counter(
+            "gateway_limit_rejections_total", "Requests refused by a key's limit (rpm, tpm, "
+            "concurrency, model) or because limits could not be checked (redis)",
+            ("key", "limit"))
         # Sessions and Redis.
         self.sticky = counter(
             "gateway_sticky_total", "Session routing outcomes: hit, miss (new pin), repin, "

@@ -34,6 +34,7 @@ class Request:
     method: str = "POST"
     creates: str | None = None  # the id of the stored response it makes (Responses API)
     follows: str | None = None  # the stored response it continues, retrieves or cancels
+    strip_usage: bool = False  # the gateway asked for a usage chunk the client did not
 
 
 class StreamCause(enum.StrEnum):
@@ -57,6 +58,9 @@ class Record:
     last_byte: float | None = None
     chunks: int = 0
     note: str = ""  # degraded cache, stream dropped, client gone...
+    tenant: str = "anonymous"  # the calling key's name
+    usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
+    admission: object = field(default=None, repr=False)  # what the key's limits lent it
 
 
 class Policy(Protocol):

@@ -3,16 +3,31 @@ refused credentials (a metric, and a log line at most once a second, never the k
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import Unauthorized
 from gateway.http.asgi import request_id, send_error
+
+TENANT = "gateway.tenant"  # the ASGI scope key naming the caller (what ``Keys.match`` gave)
+
+
+class Keys(Protocol):
+    """The configured API keys (``gateway.tenants.keyring.Keyring``)."""
+
+    @property
+    def open(self) -> bool:
+        """No key is configured: anyone may call."""
+        ...
+
+    def match(self, presented: bytes) -> object | None:
+        """Who the presented key names, or None."""
+        ...
 
 log = logging.getLogger("gateway.auth")
 
@@ -40,25 +55,27 @@ class Refusals:
 
 
 class ApiKeyAuth:
-    """Requires ``Authorization: Bearer <key>`` on every path under ``prefix`` and on each of
-    ``paths`` (vLLM's proxied routes outside ``/v1/``: ``/tokenize``...).
+    """Requires ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key``) on every path
+    under ``prefix`` and on each of ``paths`` (vLLM's proxied routes outside ``/v1/``:
+    ``/tokenize``...), and tells the app which tenant called (``scope[TENANT]``).
 
     With no keys configured every request passes (the app logs that once at start).
     """
 
-    def __init__(self, app: ASGIApp, keys: Sequence[str], refusals: Refusals | None = None,
+    def __init__(self, app: ASGIApp, keys: Keys, refusals: Refusals | None = None,
                  prefix: str = "/v1/", paths: Iterable[str] = ()) -> None:
         self._app = app
-        self._keys = [k.encode() for k in keys]
+        self._keys = keys
         self._refusals = refusals
         self._prefix = prefix
         self._paths = frozenset(paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._keys and scope["type"] == "http" and (
+        if not self._keys.open and scope["type"] == "http" and (
                 scope["path"].startswith(self._prefix) or scope["path"] in self._paths):
             presented = bearer(scope["headers"])
-            if not self.allows(presented):
+            tenant = self._keys.match(presented)
+            if tenant is None:
                 rid = request_id(scope)
                 if self._refusals is not None:
                     peer = scope.get("client")
@@ -67,20 +84,18 @@ class ApiKeyAuth:
                 await send_error(send, Unauthorized(
                     "Incorrect or missing API key. Send 'Authorization: Bearer <key>'."), rid)
                 return
+            scope[TENANT] = tenant
         await self._app(scope, receive, send)
 
     def allows(self, presented: bytes) -> bool:
-        # Compare against every key, so timing says nothing about which one matched.
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(presented, key)
-        return ok and bool(presented)
+        return self._keys.match(presented) is not None
 
 
 def bearer(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The token of ``Authorization: Bearer <token>``, or b"" (no header, another scheme)."""
+    """The token of ``Authorization: Bearer <token>`` (else of ``x-api-key``), or b""."""
     for key, value in headers:
         if key == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else b""
-    return b""
+    # Anthropic's clients (/v1/messages) send the key in x-api-key instead.
+    return next((v.strip() for k, v in headers if k == b"x-api-key"), b"")

@@ -15,12 +15,29 @@ same bytes however the backend's chunks happen to be cut.
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 import orjson
 
 
+class Filter(Protocol):
+    """What changes a reply's bytes on their way: a whole body, or a stream chunk by chunk
+    (holding back what can't be judged yet); ``usage`` is what it saw of the reply's."""
+
+    @property
+    def usage(self) -> tuple[int, int] | None: ...
+
+    def whole(self, body: bytes) -> bytes: ...
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def flush(self) -> bytes: ...
+
+
 class ModelRewrite:
     __slots__ = ("_carry", "_new", "_pattern")
+
+    usage: tuple[int, int] | None = None  # it reads no usage
 
     def __init__(self, served: str, model: str) -> None:
         self._pattern = re.compile(rb'("model"\s*:\s*)' + re.escape(orjson.dumps(served)))
@@ -51,3 +68,25 @@ class ModelRewrite:
         """What is still held back when the stream ends."""
         rest, self._carry = self._carry, b""
         return self._sub(rest) if rest else b""
+
+
+class Chain:
+    """Two filters, one after the other."""
+
+    __slots__ = ("_first", "_second")
+
+    def __init__(self, first: Filter, second: Filter) -> None:
+        self._first, self._second = first, second
+
+    @property
+    def usage(self) -> tuple[int, int] | None:
+        return self._second.usage or self._first.usage
+
+    def whole(self, body: bytes) -> bytes:
+        return self._second.whole(self._first.whole(body))
+
+    def feed(self, chunk: bytes) -> bytes:
+        return self._second.feed(self._first.feed(chunk))
+
+    def flush(self) -> bytes:
+        return self._second.feed(self._first.flush()) + self._second.flush()

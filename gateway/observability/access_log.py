@@ -47,14 +47,20 @@ class RequestLog:
                     (record.last_byte - first) / (record.chunks - 1))
         duration = now - request.started
         child(m.duration, group).observe(duration)
+        usage = record.usage
+        if usage is not None:
+            child(m.tokens, record.tenant, model, "prompt").inc(usage[0])
+            child(m.tokens, record.tenant, model, "completion").inc(usage[1])
         if self._log and log.isEnabledFor(logging.INFO):
             self._line({
                 "id": request.request_id, "path": request.path, "model": request.model,
                 "stream": request.stream, "client": request.client,
-                "backend": name, "group": group, "status": status,
+                "key": record.tenant, "backend": name, "group": group, "status": status,
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
                 "duration_ms": round(duration * 1000, 2),
-                "chunks": record.chunks if request.stream else None, "note": record.note or None})
+                "chunks": record.chunks if request.stream else None,
+                "tokens": list(usage) if usage is not None else None,
+                "note": record.note or None})
 
     def rejected(self, request_id: str, path: str, status: int, duration: float) -> None:
         """A request refused before its body could be read as one (413, 408, 400)."""

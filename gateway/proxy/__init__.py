@@ -50,6 +50,7 @@ from gateway.resilience.retry import RetryBudget, backoff
 from gateway.routing.pool import BackendPool
 from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
+from gateway.tenants.gate import TenantGate
 from gateway.types import Record, Request
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
@@ -62,9 +63,10 @@ class Proxy:
     def __init__(
         self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
         degraded: Degraded, metrics: Metrics, canary: Canary, arms: Arms,
-        responses: ResponsePins,
+        responses: ResponsePins, gate: TenantGate, inject_usage: bool = False,
     ) -> None:
         self._pool = pool
+        self._gate = gate
         self._responses = responses
         self._canary = canary
         self._arms = arms
@@ -83,7 +85,7 @@ class Proxy:
         self._held = BodyBudget(config.gateway.max_buffered_bytes)
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
-        self._parse = RequestParser(config, responses, pool)
+        self._parse = RequestParser(config, responses, pool, inject_usage)
         self._media_check = config.gateway.media_urls == "deny_private"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -98,14 +100,15 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         watcher = Hangup(scope, receive)
-        record = None
+        record = admitting = None
         try:
             record = Record(self._parse(scope, body, rid, begun))
+            admitting = self._gate.start(scope, record)
             if self._media_check:
                 await media.check(record.request.payload)
-            await self._serve(record, send, deadline)
+            await self._serve(record, send, deadline, admitting)
         except GatewayError as exc:
-            await send_error(send, exc, rid)
+            await send_error(send, exc, rid, exc.headers)
             if record is None:
                 self._log.rejected(rid, scope["path"], exc.status, loop.time() - begun)
             else:
@@ -124,6 +127,7 @@ class Proxy:
             deadline.cancel()
             self._held.give(len(body))
             if record is not None:
+                self._gate.done(record, admitting)
                 self._log.done(record, loop.time())
 
     async def _read(self, scope: Scope, receive: Receive, send: Send, rid: str,
@@ -167,7 +171,8 @@ class Proxy:
                            asyncio.get_running_loop().time() - begun)
         return None
 
-    async def _serve(self, record: Record, send: Send, deadline: Deadline) -> None:
+    async def _serve(self, record: Record, send: Send, deadline: Deadline,
+                     admitting: asyncio.Task[None] | None) -> None:
         self._budget.deposit()
         only = await self._stored(record) if record.request.follows else None
         if only is None:
@@ -175,16 +180,17 @@ class Proxy:
             drawn = record.group  # the task may change it as soon as the pin lookup yields
             if arm is None:
                 self._mirror(record)
-            await self._attempts(record, send, deadline, arm, drawn, [])
+            await self._attempts(record, send, deadline, arm, drawn, [], admitting)
         else:  # a stored response's backend, or none: no arm, no mirror, no retry elsewhere
             await self._attempts(record, send, deadline, None, None,
-                                 [b for b in self._pool.backends if b is not only])
+                                 [b for b in self._pool.backends if b is not only], admitting)
 
     async def _attempts(self, record: Record, send: Send, deadline: Deadline,
                         arm: asyncio.Task[None] | None, drawn: str | None,
-                        tried: list[Backend]) -> None:
+                        tried: list[Backend], admitting: asyncio.Task[None] | None) -> None:
         """Attempt after attempt until one is relayed, or none can be; ``tried`` starts
-        with the backends that must not be tried at all."""
+        with the backends that must not be tried at all. The key's limits (``admitting``)
+        are checked while the first backend is chosen, and awaited before it is asked."""
         loop = asyncio.get_running_loop()
         request = record.request
         total = loop.time() + self._timeouts.total_timeout
@@ -195,6 +201,9 @@ class Proxy:
             if arm is not None:
                 ticket = await self._settle_arm(record, arm, drawn, ticket)
                 arm = None
+            if admitting is not None and ticket is not None:
+                await _admitted(admitting, ticket)
+                admitting = None
             if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
                 break
             tried.append(ticket.backend)
@@ -360,3 +369,13 @@ class Proxy:
             if not deadline.absorb():
                 raise
             return UpstreamTimeout(f"backend {backend.name} sent no response headers in time")
+
+
+async def _admitted(admitting: asyncio.Task[None], ticket: Ticket) -> None:
+    """The key's limits let the request through, or the refusal is raised (the backend
+    chosen meanwhile is left untouched)."""
+    try:
+        await admitting
+    except GatewayError:
+        ticket.done(Outcome.NEUTRAL)
+        raise

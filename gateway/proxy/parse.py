@@ -12,19 +12,22 @@ from gateway.http.form import form_fields, is_form
 from gateway.http.forwarded import Forwarding
 from gateway.routing.pool import BackendPool
 from gateway.routing.responses import RESPONSES, ResponsePins, stored_route
+from gateway.tenants.usage import with_usage
 from gateway.types import Request
 
 
 class RequestParser:
-    def __init__(self, config: Config, responses: ResponsePins, pool: BackendPool) -> None:
+    def __init__(self, config: Config, responses: ResponsePins, pool: BackendPool,
+                 inject_usage: bool = False) -> None:
         self._responses = responses
         self._pool = pool
+        self._inject = inject_usage
         self._max_session_key = config.routing.session_key_max_len
         self._session_sources = config.routing.session_keys
         self._forwarding = Forwarding(config.gateway.trusted_proxies)
 
     def __call__(self, scope: Scope, body: bytes, rid: str, begun: float) -> Request:
-        path, method, creates, follows = scope["path"], "POST", None, None
+        path, method, creates, follows, strip = scope["path"], "POST", None, None, False
         model: object
         stored = stored_route(path)
         if stored is not None:  # a stored response's retrieval or cancel: no body, no model
@@ -40,6 +43,9 @@ class RequestParser:
                 raise BadRequest("'model' is required and must be a non-empty string")
             if path == RESPONSES:
                 body, creates, follows = self._responses.name(payload, body)
+            elif self._inject and (asking := with_usage(path, payload, body)) is not None:
+                body, strip = asking, True
+                payload["stream_options"] = {"include_usage": True}  # an alias's body too
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         peer = scope.get("client")
         client, forwarded_for = self._forwarding.client(peer[0] if peer else "", headers)
@@ -47,7 +53,7 @@ class RequestParser:
             request_id=rid, path=path, model=model, stream=payload.get("stream") is True,
             session_key=self._session_key(headers, payload), body=body, headers=headers,
             payload=payload, started=begun, client=client, forwarded_for=forwarded_for,
-            method=method, creates=creates, follows=follows,
+            method=method, creates=creates, follows=follows, strip_usage=strip,
         )
 
     def _default_model(self) -> str:

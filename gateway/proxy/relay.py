@@ -17,12 +17,13 @@ from backends.backend import Backend
 from gateway.errors import StreamAborted, UpstreamTimeout, UpstreamUnavailable, sse_error_event
 from gateway.http.deadline import Deadline
 from gateway.http.headers import client_response_headers
-from gateway.http.rewrite import ModelRewrite
+from gateway.http.rewrite import Chain, Filter, ModelRewrite
 from gateway.http.sink import Sink
 from gateway.metrics import Metrics
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.replies import ReplyCache
 from gateway.routing.pool import BackendPool
+from gateway.tenants.usage import UsageStrip, usage_of
 from gateway.types import Record, Request, StreamCause
 from gateway.upstream import UpstreamBroken, UpstreamResponse
 
@@ -45,7 +46,7 @@ class Tap:
     cap). Allocates nothing of its own per chunk."""
 
     __slots__ = ("_deadline", "_loop", "_record", "_room", "_stream", "_tail", "_ticket",
-                 "cause", "chunks", "parts")
+                 "before", "cause", "chunks", "last", "parts")
 
     def __init__(self, ticket: Ticket, record: Record, deadline: Deadline, stream: bool,
                  parts: list[bytes] | None, room: int) -> None:
@@ -55,12 +56,14 @@ class Tap:
         self._tail = b""  # the end of a line split across chunks, for the in-band check
         self.cause: StreamCause | None = None
         self.chunks = 0
+        self.before = self.last = b""  # the last two chunks, where the usage is
 
     def __call__(self, chunk: bytes) -> None:
         now = self._deadline.last = self._loop.time()
         if not self.chunks:
             self._record.first_byte = self._ticket.first_byte = now
         self.chunks += 1
+        self.before, self.last = self.last, chunk
         if self._stream and self.cause is None:
             tail = self._tail
             if INBAND_ERROR in chunk or (tail and INBAND_ERROR in tail + chunk[:INBAND]):
@@ -99,7 +102,10 @@ class Relay:
         request, backend = record.request, ticket.backend
         record.served_by, record.status = backend, resp.status
         stream = header(resp.headers, b"content-type").startswith(b"text/event-stream")
-        rewrite = self._rewrite(request, backend, resp.headers)
+        rewrite: Filter | None = self._rewrite(request, backend, resp.headers)
+        if request.strip_usage and stream and resp.status == 200:
+            strip = UsageStrip()
+            rewrite = strip if rewrite is None else Chain(rewrite, strip)
         if rewrite is not None and not stream:
             await self._whole(resp, ticket, outcome, record, send, deadline, rewrite)
             return
@@ -112,17 +118,19 @@ class Relay:
         # Kept for the reply cache: the chunks relayed anyway, by reference, up to the cap.
         parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(request) \
             else None
-        cause, parts = await self._chunks(resp, ticket, record, send, deadline, rewrite,
-                                          stream, parts)
+        cause, parts, tail = await self._chunks(resp, ticket, record, send, deadline, rewrite,
+                                                stream, parts)
+        if cause is None:
+            record.usage = usage_of(tail) if rewrite is None else rewrite.usage
         await self._end(ticket, outcome, record, send, cause, parts, stream)
 
     async def _chunks(
         self, resp: UpstreamResponse, ticket: Ticket, record: Record, send: Send,
-        deadline: Deadline, rewrite: ModelRewrite | None, stream: bool,
+        deadline: Deadline, rewrite: Filter | None, stream: bool,
         parts: list[bytes] | None,
-    ) -> tuple[StreamCause | None, list[bytes] | None]:
-        """The per-chunk loop: why it ended early (None: the reply ended), and the parts
-        kept for the cache (None once over the cap)."""
+    ) -> tuple[StreamCause | None, list[bytes] | None, bytes]:
+        """The per-chunk loop: why it ended early (None: the reply ended), the parts kept
+        for the cache (None once over the cap), and the reply's tail (its last chunks)."""
         tap = Tap(ticket, record, deadline, stream, parts, self._cache_max)
         reuse = False
         try:
@@ -144,11 +152,11 @@ class Relay:
         finally:
             record.chunks, record.last_byte = tap.chunks, deadline.last
             await resp.aclose(reuse)
-        return tap.cause, tap.parts
+        return tap.cause, tap.parts, tap.before + tap.last
 
     @staticmethod
     async def _loop(resp: UpstreamResponse, send: Send, tap: Tap,
-                    rewrite: ModelRewrite | None) -> None:
+                    rewrite: Filter | None) -> None:
         """Chunk by chunk through ``send`` (a wrapped ``send``, a rewrite, another client)."""
         chunk = await resp.read()
         while chunk:
@@ -187,7 +195,7 @@ class Relay:
 
     async def _whole(
         self, resp: UpstreamResponse, ticket: Ticket, outcome: Outcome, record: Record,
-        send: Send, deadline: Deadline, rewrite: ModelRewrite,
+        send: Send, deadline: Deadline, rewrite: Filter,
     ) -> None:
         """A non-streaming reply whose body changes: read it whole, rewrite it, and send it
         with its new ``Content-Length``. Nothing went out yet when the backend breaks, so
@@ -217,6 +225,7 @@ class Relay:
         finally:
             await resp.aclose(reuse)
         body = rewrite.whole(parts[0] if len(parts) == 1 else b"".join(parts))
+        record.usage = usage_of(body[-4096:])
         await send({
             "type": "http.response.start",
             "status": resp.status,

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from gateway.http.auth import ApiKeyAuth, Refusals, bearer
+from gateway.tenants.keyring import Keyring
 
 
 async def _app(scope: object, receive: object, send: object) -> None:
@@ -13,7 +14,7 @@ async def _app(scope: object, receive: object, send: object) -> None:
 
 
 def test_bearer_keys() -> None:
-    auth = ApiKeyAuth(_app, ["k1", "k2"])  # type: ignore[arg-type]
+    auth = ApiKeyAuth(_app, Keyring.of(["k1", "k2"]))  # type: ignore[arg-type]
     assert auth.allows(bearer([(b"authorization", b"Bearer k2")]))
     assert auth.allows(bearer([(b"authorization", b"bearer k1")]))
     assert not auth.allows(bearer([(b"authorization", b"Bearer k3")]))
@@ -60,7 +61,7 @@ def test_the_key_guards_v1_and_the_proxied_paths_outside_it(path: str, guarded: 
     async def send(message: dict[str, object]) -> None:
         sent.append(message)
 
-    auth = ApiKeyAuth(app, ["k1"], paths=("/tokenize", "/detokenize"))  # type: ignore[arg-type]
+    auth = ApiKeyAuth(app, Keyring.of(["k1"]), paths=("/tokenize", "/detokenize"))  # type: ignore[arg-type]
     scope = {"type": "http", "path": path, "headers": [], "method": "POST"}
     asyncio.run(auth(scope, None, send))  # type: ignore[arg-type]
     assert (reached == []) is guarded
