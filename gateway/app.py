@@ -56,6 +56,7 @@ class GatewayApp:
                     Route("/health", self._health, methods=["GET"]),
                     Route("/version", self._version, methods=["GET"]),
                     Route("/openapi.json", self._openapi, methods=["GET"]),
+                    Route("/admin/keys", operators.admin.guard(self._keys), methods=["GET"]),
                     *operators.ops.routes(), *operators.admin.routes(),
                     *operators.canary.routes()],
             lifespan=Lifespan(parts, config),
@@ -112,6 +113,10 @@ class GatewayApp:
 
     async def _version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
+
+    async def _keys(self, request: Request) -> Response:
+        """Each key's settings (never the key itself) and what it used over the window."""
+        return JSONResponse(await self.parts.ledger.totals())
 
     async def _openapi(self, request: Request) -> Response:
         return Response(_openapi(), media_type="application/json")

@@ -47,6 +47,7 @@ from gateway.state.embedded import EmbeddedValkey
 from gateway.state.link import RedisLink
 from gateway.tenants.gate import TenantGate
 from gateway.tenants.keyring import Keyring
+from gateway.tenants.ledger import Ledger
 from gateway.tenants.limits import Limits
 from gateway.upstream import Upstream, make_upstream
 
@@ -83,6 +84,7 @@ class Parts:
     workers: Workers | None  # the control process: its serving workers
     link: ControlLink | None  # a serving worker: its line to the control process
     keyring: Keyring  # the API keys and their tenants
+    ledger: Ledger  # what each key used
 
 
 @dataclass(frozen=True)
@@ -146,9 +148,11 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
     limits = Limits(link, config.limits, config.gateway.processes,
                     config.upstream.total_timeout, metrics)
+    ledger = Ledger(link, keyring, config.accounting.window)
     usage = config.accounting.stream_usage
+    inject = usage == "inject" or (usage == "auto" and bool(config.keys))
     proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses,
-                  TenantGate(limits), usage == "inject" or (usage == "auto" and bool(config.keys)))
+                  TenantGate(limits, ledger), inject)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
 
@@ -169,7 +173,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
                            shared, workers, control)
     return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
                  probe, checker, supervisors, status, reloadable, shared, operators, role,
-                 workers, control, keyring)
+                 workers, control, keyring, ledger)
 
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,

@@ -10,13 +10,15 @@ from typing import Any
 
 from gateway.http.auth import TENANT
 from gateway.tenants.keyring import ANONYMOUS, Tenant
+from gateway.tenants.ledger import Ledger
 from gateway.tenants.limits import Admission, Limits
 from gateway.types import Record
 
 
 class TenantGate:
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, ledger: Ledger) -> None:
         self._limits = limits
+        self._ledger = ledger
 
     def start(self, scope: MutableMapping[str, Any], record: Record) -> asyncio.Task[None] | None:
         """Name the caller on ``record`` and start taking its limits (None: it has none).
@@ -33,6 +35,7 @@ class TenantGate:
     def done(self, record: Record, admitting: asyncio.Task[None] | None) -> None:
         """The request ended: what its key lent it back, its tokens corrected. A check
         still running (the request failed first) is given back when it ends."""
+        self._ledger.record(record.tenant, record.usage)
         if admitting is not None and not admitting.done():
             admitting.add_done_callback(lambda _: self._release(record))
         else:

@@ -9,6 +9,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -165,3 +166,30 @@ def test_with_redis_down_the_policy_holds(tmp: Path, sim: Sim, policy: str) -> N
     finally:
         gw.stop()
         redis.stop()
+
+
+def test_the_admin_view_sums_each_keys_use_across_replicas(
+        pair: tuple[Gateway, Gateway]) -> None:
+    one, two = pair
+
+    def bob() -> dict[str, Any]:
+        view = httpx.get(one.url + "/admin/keys", timeout=5)
+        assert view.status_code == 200
+        for secret in (ALICE, BOB, CAROL):
+            assert secret not in view.text
+        entry: dict[str, Any] = next(k for k in view.json()["keys"] if k["name"] == "bob")
+        return entry
+
+    def used() -> tuple[int, int]:
+        totals = bob()["totals"]
+        return totals["requests"], totals["completion_tokens"]
+
+    before = used()
+    for gw in (one, two):
+        sdk(gw, BOB).chat.completions.create(model="sim-model", messages=MESSAGES,
+                                               max_tokens=3)  # type: ignore[arg-type]
+    # Both replicas' requests (written off the request path, so: soon) in one total.
+    wait_for(lambda: used() == (before[0] + 2, before[1] + 6), 5, "bob's use in the ledger")
+    entry = bob()
+    assert entry["max_concurrent"] == 1 and entry["models"] == ["sim-model"]
+    assert httpx.get(one.url + "/admin/keys").json()["window_s"] == 3600
