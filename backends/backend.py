@@ -44,14 +44,15 @@ class Backend:
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("_state", "_streak", "busy_until", "cards", "flaps", "in_flight", "last_probe",
-                 "load", "models", "pid", "restarts", "spec", "started_at", "url")
+    __slots__ = ("_state", "_streak", "busy_until", "capacity", "cards", "flaps", "in_flight",
+                 "last_probe", "load", "models", "pid", "restarts", "spec", "started_at", "url")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.url = spec.base_url
         self._state = BackendState.STARTING
         self.in_flight = 0
+        self.capacity = spec.capacity  # requests at once; 0: no limit
         self.models: frozenset[str] = frozenset()
         self.cards: dict[str, dict[str, Any]] = {}  # each model's entry in vLLM's /v1/models
         self.flaps = 0

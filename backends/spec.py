@@ -100,9 +100,26 @@ class BackendSpec(BaseModel):
         default=None, description="sent upstream as 'Authorization: Bearer ...'"
     )
     weight: int = Field(default=1, ge=0, le=1000)
+    # Requests it takes at once before the gateway holds the rest in its own queue;
+    # 0: a spawned backend's --max-num-seqs, else no limit.
+    max_concurrent: int = Field(default=0, ge=0)
     # For a url backend on this host: the GPUs it runs on, read through NVML for metrics
     # (a spawned backend reports its own [backends.spawn] gpus).
     gpus: tuple[int, ...] = ()
+
+    @property
+    def capacity(self) -> int:
+        """Requests at once (0: no limit): ``max_concurrent``, else what a spawned vLLM
+        is told with ``--max-num-seqs``."""
+        if self.max_concurrent or self.spawn is None:
+            return self.max_concurrent
+        args = self.spawn.args
+        for i, arg in enumerate(args):
+            value = (args[i + 1] if arg == "--max-num-seqs" and i + 1 < len(args) else
+                     arg.partition("=")[2] if arg.startswith("--max-num-seqs=") else "")
+            if value.isdigit():
+                return int(value)
+        return 0
 
     @property
     def monitored_gpus(self) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ from gateway.routing.names import ModelNames
 from gateway.routing.pins import PinStore
 from gateway.routing.policies import make_policy
 from gateway.routing.pool import BackendPool
+from gateway.routing.queue import WaitQueue
 from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.state.embedded import EmbeddedValkey
@@ -122,6 +123,15 @@ def shared_state(config: Config, metrics: Metrics, breakers: Breakers,
     return SharedState(link, embedded, breaker_sync, CanarySync(link, canary))
 
 
+def tenants(config: Config, link: RedisLink | None, keyring: Keyring,
+            metrics: Metrics) -> tuple[TenantGate, Ledger]:
+    """The keys' limits and what each used (both in Redis when it is used)."""
+    limits = Limits(link, config.limits, config.gateway.processes,
+                    config.upstream.total_timeout, metrics)
+    ledger = Ledger(link, keyring, config.accounting.window)
+    return TenantGate(limits, ledger), ledger
+
+
 def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts:
     """Every part, whole, from ``config`` (read from ``path``, which a reload reads again),
     for the process ``role`` says this is (see ``gateway.control``)."""
@@ -138,7 +148,8 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     router = Router(pool, make_policy(config.routing),
                     PinStore(link, ttl) if link is not None and config.routing.sticky else None,
                     config.routing, metrics, breakers,
-                    make_policy(config.routing, config.routing.pin_policy))
+                    make_policy(config.routing, config.routing.pin_policy),
+                    config.gateway.processes)
     # Arms are stored whenever Redis is: a reload may turn the canary on.
     arms = Arms(pool, canary, ArmStore(link, ttl) if link is not None else None)
     replies = ReplyCache(config.degraded, link if config.degraded.cache else None,
@@ -146,13 +157,9 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     degraded = Degraded(config.degraded, replies, metrics)
     upstream = make_upstream(config.upstream)
     responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
-    limits = Limits(link, config.limits, config.gateway.processes,
-                    config.upstream.total_timeout, metrics)
-    ledger = Ledger(link, keyring, config.accounting.window)
-    usage = config.accounting.stream_usage
-    inject = usage == "inject" or (usage == "auto" and bool(config.keys))
+    gate, ledger = tenants(config, link, keyring, metrics)
     proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses,
-                  TenantGate(limits, ledger), inject)
+                  gate, WaitQueue(config.queue, metrics), config.injects_usage)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
 

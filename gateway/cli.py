@@ -84,6 +84,7 @@ def _sim(args: argparse.Namespace) -> int:
         split=args.split,
         stall=args.stall,
         seed=args.seed,
+        capacity=args.capacity,
     )
     logs.setup(args.log_level, SimulatedCrash, fmt="text")
     uvicorn.run(
@@ -176,6 +177,8 @@ def _sim_command(sub: Subparsers) -> None:
                      help="bytes per write of a reply body or SSE event; 0 = one write each")
     sim.add_argument("--stall", type=float, default=3600.0, help="seconds a stall lasts")
     sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--capacity", type=int, default=0,
+                     help="requests generated at once; more wait in its queue (0 = no limit)")
     sim.add_argument("--log-level", default="warning")
     sim.set_defaults(func=_sim)
 

@@ -26,7 +26,7 @@ from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
 from gateway.config_checks import duplicate_keys, duplicate_names, duplicate_ports
-from gateway.tenancy import AccountingSection, KeySpec, LimitsSection
+from gateway.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
 # workers = "auto" stops here: each worker holds its own Redis and upstream connections and
@@ -291,7 +291,13 @@ class Config(Section):
     keys: tuple[KeySpec, ...] = ()
     limits: LimitsSection = LimitsSection()
     accounting: AccountingSection = AccountingSection()
+    queue: QueueSection = QueueSection()
     backends: tuple[BackendSpec, ...]
+
+    @property
+    def injects_usage(self) -> bool:
+        usage = self.accounting.stream_usage
+        return usage == "inject" or (usage == "auto" and bool(self.keys))
 
     @property
     def uses_redis(self) -> bool:

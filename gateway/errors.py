@@ -112,6 +112,18 @@ class Overloaded(GatewayError):
     code = "overloaded"
 
 
+class Shed(GatewayError):
+    """Held in the gateway's queue and let go: it was full, or the wait ran out."""
+
+    status = 503
+    kind = "service_unavailable"
+
+    def __init__(self, message: str, code: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+        self.headers = [(b"retry-after", str(retry_after).encode())]
+
+
 class UpstreamUnavailable(GatewayError):
     status = 502
     kind = "bad_gateway"

@@ -112,6 +112,12 @@ class Metrics:
             "gateway_limit_rejections_total", "Requests refused by a key's limit (rpm, tpm, "
             "concurrency, model) or because limits could not be checked (redis)",
             ("key", "limit"))
+        self.queue_depth = gauge("gateway_queue_depth", "Requests held in the gateway's queue "
+                                 "by priority band (summed over workers)", ("band",), "livesum")
+        self.queue_wait = histogram("gateway_queue_wait_seconds", "Time each request waited "
+                                    "in the gateway's queue", (), LATENCY)
+        self.shed = counter("gateway_shed_total", "Requests let go from the gateway's queue "
+                            "with a 503: full, timeout", ("reason",))
         # Sessions and Redis.
         self.sticky = counter(
             "gateway_sticky_total", "Session routing outcomes: hit, miss (new pin), repin, "

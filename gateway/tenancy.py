@@ -57,6 +57,14 @@ class LimitsSection(_Section):
     default_max_tokens: int = Field(default=256, ge=0, description="when none is asked")
 
 
+class QueueSection(_Section):
+    """Requests held at the gateway while every backend for their model is at capacity
+    (``max_concurrent``, or a spawned backend's ``--max-num-seqs``)."""
+
+    max_length: int = Field(default=1000, ge=0, description="per process; 0 = no queue")
+    max_wait: float = Field(default=30.0, gt=0, description="seconds, then 503")
+
+
 class AccountingSection(_Section):
     # A stream whose client did not ask for usage: "inject" asks vLLM for the usage chunk
     # and removes it again; "off" counts no tokens for it; "auto": inject when [[keys]] exist.

@@ -59,6 +59,7 @@ class Record:
     chunks: int = 0
     note: str = ""  # degraded cache, stream dropped, client gone...
     tenant: str = "anonymous"  # the calling key's name
+    priority: int = 0  # its key's band in the gateway's queue
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
     admission: object = field(default=None, repr=False)  # what the key's limits lent it
 

@@ -34,6 +34,7 @@ class SimStats:
     def __init__(self) -> None:
         self.requests = 0  # every completion/embedding request, failed ones included
         self.running = 0
+        self.peak = 0  # the most requests generating at once
         self.started = 0
         self.completed = 0
         self.cancelled = 0
@@ -43,6 +44,7 @@ class SimStats:
         return {
             "requests": self.requests,
             "running": self.running,
+            "peak": self.peak,
             "started": self.started,
             "completed": self.completed,
             "cancelled": self.cancelled,
@@ -57,6 +59,7 @@ class SimApp:
         self.prefix = PrefixCache()
         self._random = random.Random(options.seed)
         self.stored: dict[str, dict[str, Any]] = {}  # the Responses API's store (in memory)
+        self._slots = asyncio.Semaphore(options.capacity) if options.capacity else None
         self._routes: dict[str, tuple[str, Handler]] = {
             validate.CHAT: ("POST", self._completion),
             validate.COMPLETIONS: ("POST", self._completion),
@@ -180,9 +183,25 @@ class SimApp:
         completion = Completion(chat=scope["path"] == validate.CHAT, model=str(body["model"]),
                                 prompt_tokens=len(prompt), n_tokens=int(n_tokens))
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.stats.running += 1
-        self.stats.started += 1
         watcher = cancel_on_disconnect(receive)
+        try:
+            if self._slots is not None:
+                await self._slots.acquire()  # queued behind the requests generating
+            await self._generate(send, body, completion, opts, usage)
+        except asyncio.CancelledError:
+            self.stats.cancelled += 1
+            task = asyncio.current_task()
+            if task is not None and watcher.done() and task.uncancel() == 0:
+                return
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _generate(self, send: Send, body: dict[str, Any], completion: Completion,
+                        opts: SimOptions, usage: bool) -> None:
+        self.stats.running += 1
+        self.stats.peak = max(self.stats.peak, self.stats.running)
+        self.stats.started += 1
         try:
             if body.get("stream"):
                 await self._stream(send, completion, opts, usage)
@@ -192,15 +211,10 @@ class SimApp:
             self.stats.completed += 1
         except _StreamEnded:
             self.stats.completed += 1
-        except asyncio.CancelledError:
-            self.stats.cancelled += 1
-            task = asyncio.current_task()
-            if task is not None and watcher.done() and task.uncancel() == 0:
-                return
-            raise
         finally:
-            watcher.cancel()
             self.stats.running -= 1
+            if self._slots is not None:
+                self._slots.release()
 
     async def _whole(self, send: Send, body: bytes, opts: SimOptions) -> None:
         cut = opts.after if opts.fault is Fault.CUT else None

@@ -34,6 +34,9 @@ class SimOptions:
     stall: float = 3600.0
     split: int = 0  # bytes per write of a reply body or SSE event; 0 = one write each
     seed: int = 0
+    # Requests generating at once (vLLM's --max-num-seqs); the others wait in the
+    # simulator's own FIFO queue, as in vLLM's scheduler. 0 = no limit.
+    capacity: int = 0
 
     @classmethod
     def parse_model(cls, spec: str) -> tuple[str, str]:

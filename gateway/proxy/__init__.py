@@ -48,6 +48,7 @@ from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.degraded import Degraded
 from gateway.resilience.retry import RetryBudget, backoff
 from gateway.routing.pool import BackendPool
+from gateway.routing.queue import NoRoom, WaitQueue
 from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.tenants.gate import TenantGate
@@ -63,10 +64,12 @@ class Proxy:
     def __init__(
         self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
         degraded: Degraded, metrics: Metrics, canary: Canary, arms: Arms,
-        responses: ResponsePins, gate: TenantGate, inject_usage: bool = False,
+        responses: ResponsePins, gate: TenantGate, queue: WaitQueue,
+        inject_usage: bool = False,
     ) -> None:
         self._pool = pool
         self._gate = gate
+        self._queue = queue
         self._responses = responses
         self._canary = canary
         self._arms = arms
@@ -127,6 +130,8 @@ class Proxy:
             deadline.cancel()
             self._held.give(len(body))
             if record is not None:
+                if self._queue.waiting:
+                    self._queue.freed()  # it held a place, or may have: the next one goes
                 self._gate.done(record, admitting)
                 self._log.done(record, loop.time())
 
@@ -197,7 +202,7 @@ class Proxy:
         excluded = len(tried)
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
-            ticket = await self._router.choose(request, record.group, tried)
+            ticket = await self._choose(record, tried)
             if arm is not None:
                 ticket = await self._settle_arm(record, arm, drawn, ticket)
                 arm = None
@@ -232,6 +237,20 @@ class Proxy:
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
         await self._exhausted(record, send, tried[excluded:], failure)
+
+    async def _choose(self, record: Record, tried: list[Backend]) -> Ticket | None:
+        """A backend for the next attempt; while every one is at capacity, the request
+        waits its turn in the gateway's queue (behind those already waiting)."""
+        front = False
+        if self._queue.waiting:
+            await self._queue.wait(record.priority, record.tenant)
+            front = True
+        while True:
+            try:
+                return await self._router.choose(record.request, record.group, tried)
+            except NoRoom:
+                await self._queue.wait(record.priority, record.tenant, front)
+                front = True
 
     async def _stored(self, record: Record) -> Backend | None:
         """The backend holding the stored response a request names (None: any may take it).

@@ -31,6 +31,8 @@ _STORED = re.compile(r"/v1/responses/([^/]{1,256})(/cancel)?")
 def stored_route(path: str) -> tuple[str, str] | None:
     """``(response id, method)`` for ``GET /v1/responses/{id}`` and
     ``POST /v1/responses/{id}/cancel``; None for any other path."""
+    if not path.startswith("/v1/responses/"):
+        return None
     match = _STORED.fullmatch(path)
     if match is None:
         return None

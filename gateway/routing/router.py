@@ -20,14 +20,16 @@ from gateway.resilience.breaker import Breakers, Ticket
 from gateway.routing.hashing import rendezvous
 from gateway.routing.pins import PinStore
 from gateway.routing.pool import BackendPool
+from gateway.routing.queue import NoRoom
 from gateway.types import Policy, Request
 
 
 class Router:
     def __init__(self, pool: BackendPool, policy: Policy, store: PinStore | None,
                  settings: RoutingSection, metrics: Metrics, breakers: Breakers,
-                 pin_policy: Policy | None = None) -> None:
+                 pin_policy: Policy | None = None, processes: int = 1) -> None:
         self._pool = pool
+        self._processes = processes  # each process takes its share of a backend's capacity
         self._pin_policy = pin_policy or policy
         self._breakers = breakers
         self.pins_made: dict[str, int] = {}  # sessions this process pinned, per backend
@@ -43,6 +45,10 @@ class Router:
         while True:
             candidates = [b for b in self._pool.candidates(request.model, group)
                           if b not in exclude]
+            if candidates and any(b.capacity for b in candidates):
+                candidates = [b for b in candidates if self._room(b)]
+                if not candidates:
+                    raise NoRoom
             if candidates:
                 backend = await self._pick(request, candidates)
                 ticket = self._breakers.admit(backend)
@@ -56,6 +62,11 @@ class Router:
                 return ticket
             # Its half-open probe slots filled up while we waited on Redis: look again.
             exclude.append(backend)
+
+    def _room(self, backend: Backend) -> bool:
+        """Below its capacity (this process's share of it), or without one."""
+        cap = backend.capacity
+        return not cap or backend.in_flight < -(-cap // self._processes)
 
     def can_retry(self, request: Request, group: str | None,
                   tried: Sequence[Backend]) -> bool:

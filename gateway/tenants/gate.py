@@ -24,7 +24,7 @@ class TenantGate:
         """Name the caller on ``record`` and start taking its limits (None: it has none).
         The task runs while the request is routed; the proxy awaits it before forwarding."""
         tenant: Tenant = scope.get(TENANT, ANONYMOUS)
-        record.tenant = tenant.name
+        record.tenant, record.priority = tenant.name, tenant.priority
         if not tenant.limited and not tenant.models:
             return None
         return asyncio.get_running_loop().create_task(self._admit(tenant, record))
