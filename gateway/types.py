@@ -60,6 +60,7 @@ class Record:
     note: str = ""  # degraded cache, stream dropped, client gone...
     tenant: str = "anonymous"  # the calling key's name
     priority: int = 0  # its key's band in the gateway's queue
+    placed: bool = False  # it took a place on a backend (freed when it ends)
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
     admission: object = field(default=None, repr=False)  # what the key's limits lent it
 

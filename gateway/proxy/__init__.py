@@ -130,8 +130,8 @@ class Proxy:
             deadline.cancel()
             self._held.give(len(body))
             if record is not None:
-                if self._queue.waiting:
-                    self._queue.freed()  # it held a place, or may have: the next one goes
+                if record.placed and self._queue.waiting:
+                    self._queue.freed()  # the place it held: the next one goes
                 self._gate.done(record, admitting)
                 self._log.done(record, loop.time())
 
@@ -212,6 +212,7 @@ class Proxy:
             if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
                 break
             tried.append(ticket.backend)
+            record.placed = True
             with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 reply = await self._open(ticket.backend, request, deadline)
@@ -391,8 +392,7 @@ class Proxy:
 
 
 async def _admitted(admitting: asyncio.Task[None], ticket: Ticket) -> None:
-    """The key's limits let the request through, or the refusal is raised (the backend
-    chosen meanwhile is left untouched)."""
+    """The key's limits let it through, or their refusal is raised (the ticket unused)."""
     try:
         await admitting
     except GatewayError:

@@ -35,13 +35,14 @@ class WaitQueue:
         """Until a place is freed for this request (``front``: it was woken before and
         lost the place, so it goes first again); 503 when the queue is full or the wait
         runs out."""
-        if self.waiting >= self._settings.max_length:
+        waiters = self._bands.setdefault(band, OrderedDict()).setdefault(tenant, deque())
+        if self.waiting >= self._settings.max_length and not self._evict(band, len(waiters)):
+            if not waiters:
+                self._leave(band, tenant, None)
             self._metrics.shed.labels("full").inc()
-            raise Shed("every backend for this model is at capacity and the gateway's queue "
-                       "is full; retry shortly", "queue_full")
+            raise _full()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
-        waiters = self._bands.setdefault(band, OrderedDict()).setdefault(tenant, deque())
         (waiters.appendleft if front else waiters.append)(future)
         self.waiting += 1
         depth = self._metrics.queue_depth.labels(str(band))
@@ -54,7 +55,7 @@ class WaitQueue:
             raise Shed(f"every backend for this model stayed at capacity for "
                        f"{self._settings.max_wait:g} s; retry later", "queue_timeout") from None
         except BaseException:
-            if future.done() and not future.cancelled():
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self.freed()  # woken as it left (its client hung up): the next one goes
             raise
         finally:
@@ -63,11 +64,28 @@ class WaitQueue:
             self._metrics.queue_wait.observe(loop.time() - began)
             self._leave(band, tenant, future)
 
-    def _leave(self, band: int, tenant: str, future: asyncio.Future[None]) -> None:
+    def _evict(self, band: int, mine: int) -> bool:
+        """The queue is full: make room for a request whose tenant has ``mine`` waiting,
+        by letting go the newest waiter of the tenant with the most (a lower band's
+        first). False when no tenant has more than this one: the newcomer is refused."""
+        for lower in sorted(b for b in self._bands if b <= band):
+            tenants = self._bands[lower]
+            most = max(tenants, key=lambda t: len(tenants[t]), default=None)
+            # A lower band yields any waiter; the same band only one of a tenant that
+            # would still have more waiting than the newcomer's.
+            if most is not None and len(tenants[most]) > (mine + 1 if lower == band else 0):
+                victim = tenants[most].pop()
+                if not victim.done():
+                    victim.set_exception(_full())
+                    self._metrics.shed.labels("full").inc()
+                return True
+        return False
+
+    def _leave(self, band: int, tenant: str, future: asyncio.Future[None] | None) -> None:
         tenants = self._bands.get(band)
         waiters = tenants.get(tenant) if tenants is not None else None
         if waiters is not None:
-            if future in waiters:
+            if future is not None and future in waiters:
                 waiters.remove(future)
             if not waiters and tenants is not None:
                 del tenants[tenant]
@@ -87,3 +105,8 @@ class WaitQueue:
                     if not future.done():
                         future.set_result(None)
                         return
+
+
+def _full() -> Shed:
+    return Shed("every backend for this model is at capacity and the gateway's queue is "
+                "full; retry shortly", "queue_full")

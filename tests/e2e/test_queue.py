@@ -151,3 +151,18 @@ def test_without_a_capacity_nothing_waits(tmp: Path, sim: Sim) -> None:
         assert metric(gw.url, "gateway_queue_wait_seconds_count") == 0
     finally:
         gw.stop()
+
+
+def test_a_full_queue_lets_go_of_the_flooding_tenant_not_the_quiet_one(
+        gateway: Gateway) -> None:
+    done: list[str] = []
+    calls = queue_up(gateway, done, ("a", "a1"), ("a", "a2"), ("a", "a3"))
+    quiet = Call(gateway, "b", done, "b1")  # the queue is full, of a's requests only
+    for call in [*calls, quiet]:
+        call.join(30)
+    assert quiet.status == 200
+    assert sorted(c.status for c in calls) == [200, 200, 200, 503]
+    evicted = next(c for c in calls if c.status == 503)
+    assert '"queue_full"' in evicted.error
+    # Round robin: a1 (a's turn), then b1, then a2; a3 (a's newest) was let go at once.
+    assert done == ["a3", "holder", "a1", "b1", "a2"]
