@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,7 @@ async def load(urls: list[str], rates: dict[str, float], seconds: float,
                tokens: int) -> Result:
     """Open-loop arrivals at fixed rates per tenant; the URLs taken in turn."""
     result = Result()
+    rng = random.Random(18)
     timeout = aiohttp.ClientTimeout(total=CLIENT_LIMIT)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
@@ -86,7 +88,11 @@ async def load(urls: list[str], rates: dict[str, float], seconds: float,
             delay = began + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(http, urls[i % len(urls)], tenant, tokens,
+            # A's replies vary in length (a quarter to 1.75 times ``tokens``), as real
+            # replies do: places then free one by one instead of in lockstep.
+            length = tokens if tenant == "B" else rng.randint(max(1, tokens // 4),
+                                                              tokens * 7 // 4)
+            tasks.append(asyncio.create_task(one(http, urls[i % len(urls)], tenant, length,
                                                  result)))
         await asyncio.gather(*tasks)
     return result
