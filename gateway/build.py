@@ -158,8 +158,9 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     upstream = make_upstream(config.upstream)
     responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
     gate, ledger = tenants(config, link, keyring, metrics)
+    queue = WaitQueue(config.queue, metrics, len(keyring.tenants))
     proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses,
-                  gate, WaitQueue(config.queue, metrics), config.injects_usage)
+                  gate, queue, config.injects_usage)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
 

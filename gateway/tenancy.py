@@ -63,6 +63,9 @@ class QueueSection(_Section):
 
     max_length: int = Field(default=1000, ge=0, description="per process; 0 = no queue")
     max_wait: float = Field(default=30.0, gt=0, description="seconds, then 503")
+    # With several keys: each backend's last places only for a tenant holding fewer than
+    # the busiest one, so a quiet tenant finds one free at once under another's flood.
+    reserve: int = Field(default=1, ge=0)
 
 
 class AccountingSection(_Section):

@@ -48,7 +48,7 @@ from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.degraded import Degraded
 from gateway.resilience.retry import RetryBudget, backoff
 from gateway.routing.pool import BackendPool
-from gateway.routing.queue import NoRoom, WaitQueue
+from gateway.routing.queue import WaitQueue
 from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.tenants.gate import TenantGate
@@ -130,8 +130,10 @@ class Proxy:
             deadline.cancel()
             self._held.give(len(body))
             if record is not None:
-                if record.placed and self._queue.waiting:
-                    self._queue.freed()  # the place it held: the next one goes
+                if record.placed:
+                    self._queue.give(record.tenant)  # the place it held: the next one goes
+                    if self._queue.waiting:
+                        self._queue.freed()
                 self._gate.done(record, admitting)
                 self._log.done(record, loop.time())
 
@@ -202,7 +204,8 @@ class Proxy:
         excluded = len(tried)
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
-            ticket = await self._choose(record, tried)
+            ticket = await self._router.place(request, record.group, tried, self._queue,
+                                              record.tenant, record.priority)
             if arm is not None:
                 ticket = await self._settle_arm(record, arm, drawn, ticket)
                 arm = None
@@ -213,6 +216,7 @@ class Proxy:
                 break
             tried.append(ticket.backend)
             record.placed = True
+            self._queue.take(record.tenant)
             with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 reply = await self._open(ticket.backend, request, deadline)
@@ -238,20 +242,6 @@ class Proxy:
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
         await self._exhausted(record, send, tried[excluded:], failure)
-
-    async def _choose(self, record: Record, tried: list[Backend]) -> Ticket | None:
-        """A backend for the next attempt; while every one is at capacity, the request
-        waits its turn in the gateway's queue (behind those already waiting)."""
-        front = False
-        if self._queue.waiting:
-            await self._queue.wait(record.priority, record.tenant)
-            front = True
-        while True:
-            try:
-                return await self._router.choose(record.request, record.group, tried)
-            except NoRoom:
-                await self._queue.wait(record.priority, record.tenant, front)
-                front = True
 
     async def _stored(self, record: Record) -> Backend | None:
         """The backend holding the stored response a request names (None: any may take it).

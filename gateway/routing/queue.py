@@ -24,9 +24,12 @@ class NoRoom(Exception):
 
 
 class WaitQueue:
-    def __init__(self, settings: QueueSection, metrics: Metrics) -> None:
+    def __init__(self, settings: QueueSection, metrics: Metrics, tenants: int = 1) -> None:
         self._settings = settings
         self._metrics = metrics
+        # Places held per tenant in this process (for the reserve; with several tenants).
+        self._reserve = settings.reserve if tenants > 1 else 0
+        self._held: dict[str, int] = {}
         # band -> tenant -> its waiters, oldest first; tenants in turn order
         self._bands: dict[int, OrderedDict[str, deque[asyncio.Future[None]]]] = {}
         self.waiting = 0
@@ -91,6 +94,31 @@ class WaitQueue:
                 del tenants[tenant]
                 if not tenants:
                     del self._bands[band]
+
+    def reserve_for(self, tenant: str) -> int:
+        """The places ``tenant`` may not take: none while it holds fewer than the tenant
+        holding the most, else the reserve."""
+        if not self._reserve:
+            return 0
+        held = self._held
+        mine = held.get(tenant, 0)
+        return 0 if any(n > mine for n in held.values()) or not held else self._reserve
+
+    def skips(self, tenant: str) -> bool:
+        """May ``tenant`` go before those waiting? Only to a place reserved for it."""
+        return bool(self._reserve) and not self.reserve_for(tenant)
+
+    def take(self, tenant: str) -> None:
+        if self._reserve:
+            self._held[tenant] = self._held.get(tenant, 0) + 1
+
+    def give(self, tenant: str) -> None:
+        if self._reserve:
+            left = self._held.get(tenant, 0) - 1
+            if left > 0:
+                self._held[tenant] = left
+            else:
+                self._held.pop(tenant, None)
 
     def freed(self) -> None:
         """A place was given back: wake the next waiter (highest band; in it, the tenant

@@ -20,7 +20,7 @@ from gateway.resilience.breaker import Breakers, Ticket
 from gateway.routing.hashing import rendezvous
 from gateway.routing.pins import PinStore
 from gateway.routing.pool import BackendPool
-from gateway.routing.queue import NoRoom
+from gateway.routing.queue import NoRoom, WaitQueue
 from gateway.types import Policy, Request
 
 
@@ -39,14 +39,14 @@ class Router:
         self._sticky = metrics.sticky
 
     async def choose(self, request: Request, group: str | None,
-                     exclude: Sequence[Backend] = ()) -> Ticket | None:
+                     exclude: Sequence[Backend] = (), reserve: int = 0) -> Ticket | None:
         """A backend of ``group`` admitted by its breaker, or None when there is none."""
         exclude = list(exclude)
         while True:
             candidates = [b for b in self._pool.candidates(request.model, group)
                           if b not in exclude]
             if candidates and any(b.capacity for b in candidates):
-                candidates = [b for b in candidates if self._room(b)]
+                candidates = [b for b in candidates if self._room(b, reserve)]
                 if not candidates:
                     raise NoRoom
             if candidates:
@@ -63,10 +63,29 @@ class Router:
             # Its half-open probe slots filled up while we waited on Redis: look again.
             exclude.append(backend)
 
-    def _room(self, backend: Backend) -> bool:
-        """Below its capacity (this process's share of it), or without one."""
+    async def place(self, request: Request, group: str | None, tried: list[Backend],
+                    queue: WaitQueue, tenant: str, band: int) -> Ticket | None:
+        """``choose``; while every backend is at capacity, the request waits its turn in
+        ``queue`` (behind those already waiting, unless a reserved place is its to take)."""
+        front = False
+        if queue.waiting and not queue.skips(tenant):
+            await queue.wait(band, tenant)
+            front = True
+        while True:
+            try:
+                return await self.choose(request, group, tried, queue.reserve_for(tenant))
+            except NoRoom:
+                await queue.wait(band, tenant, front)
+                front = True
+
+    def _room(self, backend: Backend, reserve: int) -> bool:
+        """Below its capacity (this process's share of it, less the ``reserve`` places the
+        caller may not take), or without one."""
         cap = backend.capacity
-        return not cap or backend.in_flight < -(-cap // self._processes)
+        if not cap:
+            return True
+        share = -(-cap // self._processes)
+        return backend.in_flight < share - min(reserve, share - 1)
 
     def can_retry(self, request: Request, group: str | None,
                   tried: Sequence[Backend]) -> bool:
