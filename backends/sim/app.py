@@ -35,6 +35,7 @@ class SimStats:
         self.requests = 0  # every completion/embedding request, failed ones included
         self.running = 0
         self.peak = 0  # the most requests generating at once
+        self.waiting = 0  # in its own queue (beyond --capacity)
         self.started = 0
         self.completed = 0
         self.cancelled = 0
@@ -108,7 +109,7 @@ class SimApp:
         label = f'{{model_name="{self.options.models[0]}"}}'
         lines = [
             ("vllm:num_requests_running", "gauge", self.stats.running),
-            ("vllm:num_requests_waiting", "gauge", 0),
+            ("vllm:num_requests_waiting", "gauge", self.stats.waiting),
             ("vllm:kv_cache_usage_perc", "gauge", round(self.prefix.usage, 6)),
             ("vllm:prefix_cache_queries_total", "counter", self.prefix.queries),
             ("vllm:prefix_cache_hits_total", "counter", self.prefix.hits),
@@ -186,7 +187,11 @@ class SimApp:
         watcher = cancel_on_disconnect(receive)
         try:
             if self._slots is not None:
-                await self._slots.acquire()  # queued behind the requests generating
+                self.stats.waiting += 1
+                try:
+                    await self._slots.acquire()  # queued behind the requests generating
+                finally:
+                    self.stats.waiting -= 1
             await self._generate(send, body, completion, opts, usage)
         except asyncio.CancelledError:
             self.stats.cancelled += 1

@@ -23,6 +23,8 @@ from gateway.routing.pool import BackendPool
 from gateway.routing.queue import NoRoom, WaitQueue
 from gateway.types import Policy, Request
 
+KV_FULL = 0.99  # vLLM's KV-cache use at which a new request would wait inside vLLM
+
 
 class Router:
     def __init__(self, pool: BackendPool, policy: Policy, store: PinStore | None,
@@ -80,11 +82,17 @@ class Router:
 
     def _room(self, backend: Backend, reserve: int) -> bool:
         """Below its capacity (this process's share of it, less the ``reserve`` places the
-        caller may not take), or without one."""
+        caller may not take), or without one. A backend with a capacity is also full while
+        vLLM says it queues requests or its KV cache is full, and this process has some of
+        its requests in flight (whose end wakes the queue)."""
         cap = backend.capacity
         if not cap:
             return True
         share = -(-cap // self._processes)
+        load = backend.load
+        if load is not None and backend.in_flight and (
+                load.waiting > 0 or (load.kv_usage or 0.0) >= KV_FULL):
+            return False
         return backend.in_flight < share - min(reserve, share - 1)
 
     def can_retry(self, request: Request, group: str | None,

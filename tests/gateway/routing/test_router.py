@@ -166,3 +166,30 @@ def test_new_sessions_are_placed_in_turn_not_by_momentary_load(server: RedisServ
 
     assert sorted(Counter(run_with("round_robin")).values()) == [2, 2, 2, 2]
     assert Counter(run_with("least_loaded")) == {"b0": 8}
+
+
+def test_room_is_the_share_of_capacity_less_the_reserve_and_vllms_own_saturation() -> None:
+    from backends.backend import LoadReport
+    from gateway.resilience.breaker import Outcome
+    from gateway.routing.queue import NoRoom
+
+    b = factories.backend("b0", ready=True, models={"m"}, max_concurrent=4)
+    router = Router(BackendPool([b]), make_policy(RoutingSection()), None, RoutingSection(),
+                    Metrics(), Breakers(BreakerSection(), ["b0"]), processes=2)
+
+    def room(in_flight: int, reserve: int = 0, load: LoadReport | None = None) -> bool:
+        b.in_flight, b.load = in_flight, load
+        try:
+            ticket = asyncio.run(router.choose(factories.request(), None, (), reserve))
+        except NoRoom:
+            return False
+        assert ticket is not None
+        ticket.done(Outcome.NEUTRAL)
+        return True
+
+    assert room(1) and not room(2)  # two processes: a share of 2 each
+    assert not room(1, reserve=1)  # the last place of the share is reserved
+    assert not room(1, load=LoadReport(running=4, waiting=3))  # vLLM queues already
+    assert not room(1, load=LoadReport(running=4, kv_usage=0.995))
+    assert room(0, load=LoadReport(running=4, waiting=3))  # nothing of ours would wake us
+    assert room(0) and not room(2, reserve=0)
