@@ -83,15 +83,17 @@ class Router:
     def _room(self, backend: Backend, reserve: int) -> bool:
         """Below its capacity (this process's share of it, less the ``reserve`` places the
         caller may not take), or without one. A backend with a capacity is also full while
-        vLLM says it queues requests or its KV cache is full, and this process has some of
-        its requests in flight (whose end wakes the queue)."""
+        vLLM says it runs that many and queues more (other clients' included), or its KV
+        cache is full, and this process has some of its requests in flight (whose end wakes
+        the queue). A request waiting a scheduler step in vLLM alone is not saturation."""
         cap = backend.capacity
         if not cap:
             return True
         share = -(-cap // self._processes)
         load = backend.load
         if load is not None and backend.in_flight and (
-                load.waiting > 0 or (load.kv_usage or 0.0) >= KV_FULL):
+                (load.waiting > 0 and load.running >= cap)
+                or (load.kv_usage or 0.0) >= KV_FULL):
             return False
         return backend.in_flight < share - min(reserve, share - 1)
 

@@ -192,4 +192,5 @@ def test_room_is_the_share_of_capacity_less_the_reserve_and_vllms_own_saturation
     assert not room(1, load=LoadReport(running=4, waiting=3))  # vLLM queues already
     assert not room(1, load=LoadReport(running=4, kv_usage=0.995))
     assert room(0, load=LoadReport(running=4, waiting=3))  # nothing of ours would wake us
+    assert room(1, load=LoadReport(running=2, waiting=1))  # a step's wait, not saturation
     assert room(0) and not room(2, reserve=0)
