@@ -215,8 +215,7 @@ class Proxy:
             if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
                 break
             tried.append(ticket.backend)
-            record.placed = True
-            self._queue.take(record.tenant)
+            self._hold(record)
             with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 reply = await self._open(ticket.backend, request, deadline)
@@ -242,6 +241,12 @@ class Proxy:
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
         await self._exhausted(record, send, tried[excluded:], failure)
+
+    def _hold(self, record: Record) -> None:
+        """One place per request (given back when it ends), however many attempts."""
+        if not record.placed:
+            record.placed = True
+            self._queue.take(record.tenant)
 
     async def _stored(self, record: Record) -> Backend | None:
         """The backend holding the stored response a request names (None: any may take it).

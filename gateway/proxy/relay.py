@@ -121,7 +121,8 @@ class Relay:
         cause, parts, tail = await self._chunks(resp, ticket, record, send, deadline, rewrite,
                                                 stream, parts)
         if cause is None:
-            record.usage = usage_of(tail) if rewrite is None else rewrite.usage
+            # What a filter took out of the stream, else the tail the client got.
+            record.usage = (rewrite.usage if rewrite is not None else None) or usage_of(tail)
         await self._end(ticket, outcome, record, send, cause, parts, stream)
 
     async def _chunks(

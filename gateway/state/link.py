@@ -134,7 +134,7 @@ class RedisLink:
         self._queue: list[_Queued] = []
         self._flush_due = False
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._chores: set[asyncio.Future[None]] = set()
+        self._chores: set[asyncio.Future[Any]] = set()
         params = lean_params(client)
         self._resp = Resp(params) if params is not None else None  # None: TLS, redis-py
         metrics.redis_up.set(1 if opened else 0)
@@ -237,6 +237,13 @@ class RedisLink:
             return await future
         finally:
             watch.cancel()
+
+    def soon(self, *commands: Command) -> None:
+        """``execute`` off the caller's path: a write nobody waits for (kept until it is
+        done, and awaited when the link closes)."""
+        task = asyncio.get_running_loop().create_task(self.execute(*commands))
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
 
     async def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
         """Set ``key`` to ``value`` unless it holds one already, and refresh its TTL either

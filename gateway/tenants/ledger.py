@@ -4,7 +4,6 @@ request path in the link's shared pipelines, summed over the window for the admi
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,19 +24,16 @@ class Ledger:
         self._minutes = max(1, int(window // MINUTE))
         self._prefix = (link.prefix if link is not None else "") + "use:"
         self._clock = clock
-        self._chores: set[asyncio.Task[object]] = set()
 
     def record(self, tenant: str, usage: tuple[int, int] | None) -> None:
         if self._link is None:
             return
         key = f"{self._prefix}{tenant}:{int(self._clock() // MINUTE)}"
         prompt, completion = usage or (0, 0)
-        task = asyncio.get_running_loop().create_task(self._link.execute(
+        self._link.soon(
             ("HINCRBY", key, "requests", 1), ("HINCRBY", key, "prompt_tokens", prompt),
             ("HINCRBY", key, "completion_tokens", completion),
-            ("PEXPIRE", key, (self._minutes + 1) * MINUTE * 1000)))
-        self._chores.add(task)
-        task.add_done_callback(self._chores.discard)
+            ("PEXPIRE", key, (self._minutes + 1) * MINUTE * 1000))
 
     async def totals(self) -> dict[str, Any]:
         """Each key's settings (never the key) and its totals over the window; totals are

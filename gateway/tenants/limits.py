@@ -14,7 +14,6 @@ Redis down: ``fail_open`` applies each process's share of every limit locally (t
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -90,7 +89,6 @@ class Limits:
         self._metrics = metrics
         self._clock = clock
         self._shares: dict[str, _Share] = {}
-        self._chores: set[asyncio.Task[object]] = set()
 
     async def admit(self, tenant: Tenant, request: Request) -> Admission | None:
         """Take one request from ``tenant``'s limits, or raise 429 (503 when they can't be
@@ -182,6 +180,4 @@ class Limits:
         if correction:
             commands.append(("INCRBY", f"{key}:t:{a.minute}", correction))
         if commands:
-            task = asyncio.get_running_loop().create_task(self._link.execute(*commands))
-            self._chores.add(task)
-            task.add_done_callback(self._chores.discard)
+            self._link.soon(*commands)
