@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import Gateway, backend_toml, http_ok, wait_for
+from tests.helpers import Gateway, backend_toml, http_ok, metric, wait_for
 from tests.integration.vllm_setup import STARTUP, status
 
 pytestmark = pytest.mark.timeout(STARTUP + 300)
@@ -110,3 +110,40 @@ def test_anthropic_messages_through_the_gateway(gw: Gateway) -> None:
     streamed = httpx.post(gw.url + "/v1/messages", json={**body, "stream": True}, timeout=60)
     assert streamed.status_code == 200
     assert "event: message_start" in streamed.text and "event: message_stop" in streamed.text
+
+
+def test_tokens_are_counted_from_vllms_own_usage(gw: Gateway) -> None:
+    """The default config reads vLLM's usage from the tail of each reply."""
+    def completion() -> float:
+        return metric(gw.url, "gateway_tokens_total", key="anonymous", model="tiny-llama",
+                      kind="completion")
+
+    before = completion()
+    reply = sdk(gw).chat.completions.create(model="tiny-llama", max_tokens=5,
+                                            messages=[{"role": "user", "content": "hi"}])
+    stream = list(sdk(gw).chat.completions.create(
+        model="tiny-llama", max_tokens=6, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "hi"}]))
+    assert reply.usage is not None and stream[-1].usage is not None
+    expected = reply.usage.completion_tokens + stream[-1].usage.completion_tokens
+    wait_for(lambda: completion() - before == expected, 10, "tokens counted")
+
+
+@pytest.fixture(scope="module")
+def injecting(gw: Gateway, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    backends = "".join(backend_toml(b, s["url"]) for b, s in sorted(status(gw).items()))
+    gateway = Gateway(tmp_path_factory.mktemp("injecting"),
+                      '[accounting]\nstream_usage = "inject"\n[health]\ninterval = 0.5\n'
+                      + backends, name="injecting")
+    wait_for(lambda: http_ok(gateway.url + "/readyz"), 30, "injecting ready")
+    yield gateway
+    gateway.stop()
+
+
+def test_an_injected_usage_chunk_is_taken_out_of_real_vllms_stream(injecting: Gateway) -> None:
+    chunks = list(sdk(injecting).chat.completions.create(
+        model="tiny-llama", max_tokens=6, stream=True, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "count"}]))
+    assert chunks and all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+    assert metric(injecting.url, "gateway_tokens_total", model="tiny-llama",
+                  kind="completion") == 6
