@@ -66,6 +66,9 @@ class QueueSection(_Section):
     # With several keys: each backend's last places only for a tenant holding fewer than
     # the busiest one, so a quiet tenant finds one free at once under another's flood.
     reserve: int = Field(default=1, ge=0)
+    # A session whose pinned backend is at capacity while another has room waits this long
+    # for a place there (its prefix cache is there) before it moves; 0: it moves at once.
+    pin_wait: float = Field(default=0.5, ge=0, le=60, description="seconds")
 
 
 class AccountingSection(_Section):

@@ -132,7 +132,7 @@ class Proxy:
             if record is not None:
                 if record.placed:
                     self._queue.give(record.tenant)  # the place it held: the next one goes
-                    if self._queue.waiting:
+                    if not self._queue.idle:
                         self._queue.freed()
                 self._gate.done(record, admitting)
                 self._log.done(record, loop.time())

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
+from backends.backend import Backend
 from gateway.errors import Shed
 from gateway.metrics import Metrics
 from gateway.tenancy import QueueSection
@@ -21,6 +23,15 @@ from gateway.tenancy import QueueSection
 
 class NoRoom(Exception):
     """Backends serve the model, but each is at capacity: the request may wait."""
+
+
+class PinFull(Exception):
+    """The session's pinned backend is at capacity while another has room: the request
+    may wait a little for its own (``WaitQueue.wait_for``) before it moves."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__()
+        self.backend = backend
 
 
 class WaitQueue:
@@ -33,6 +44,32 @@ class WaitQueue:
         # band -> tenant -> its waiters, oldest first; tenants in turn order
         self._bands: dict[int, OrderedDict[str, deque[asyncio.Future[None]]]] = {}
         self.waiting = 0
+        self._pinned: set[asyncio.Future[None]] = set()  # sessions waiting for their own
+        self.pin_wait = settings.pin_wait
+
+    @property
+    def idle(self) -> bool:
+        """Nobody waits: a freed place wakes no one."""
+        return not self.waiting and not self._pinned
+
+    async def wait_for(self, room: Callable[[], bool], seconds: float) -> bool:
+        """Until ``room()`` holds (checked each time a place is freed) or ``seconds`` pass.
+        Those waiting for their pinned backend are woken before the queue's next one."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while not room():
+            left = end - loop.time()
+            if left <= 0:
+                return False
+            future: asyncio.Future[None] = loop.create_future()
+            self._pinned.add(future)
+            try:
+                await asyncio.wait_for(future, left)
+            except TimeoutError:
+                return False
+            finally:
+                self._pinned.discard(future)
+        return True
 
     async def wait(self, band: int, tenant: str, front: bool = False) -> None:
         """Until a place is freed for this request (``front``: it was woken before and
@@ -122,7 +159,11 @@ class WaitQueue:
 
     def freed(self) -> None:
         """A place was given back: wake the next waiter (highest band; in it, the tenant
-        whose turn it is, which then goes to the end of the turn order)."""
+        whose turn it is, which then goes to the end of the turn order). Sessions waiting
+        for their pinned backend look first: each checks whether the place is on its own."""
+        for future in self._pinned:
+            if not future.done():
+                future.set_result(None)
         for band in sorted(self._bands, reverse=True):
             tenants = self._bands[band]
             for tenant in list(tenants):

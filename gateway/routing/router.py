@@ -11,7 +11,9 @@ The canary arm (``group``) is chosen before, by ``gateway.canary.arms``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from functools import partial
 
 from backends.backend import Backend
 from gateway.config import RoutingSection
@@ -20,7 +22,7 @@ from gateway.resilience.breaker import Breakers, Ticket
 from gateway.routing.hashing import rendezvous
 from gateway.routing.pins import PinStore
 from gateway.routing.pool import BackendPool
-from gateway.routing.queue import NoRoom, WaitQueue
+from gateway.routing.queue import NoRoom, PinFull, WaitQueue
 from gateway.types import Policy, Request
 
 KV_FULL = 0.99  # vLLM's KV-cache use at which a new request would wait inside vLLM
@@ -41,18 +43,23 @@ class Router:
         self._sticky = metrics.sticky
 
     async def choose(self, request: Request, group: str | None,
-                     exclude: Sequence[Backend] = (), reserve: int = 0) -> Ticket | None:
-        """A backend of ``group`` admitted by its breaker, or None when there is none."""
+                     exclude: Sequence[Backend] = (), reserve: int = 0,
+                     pin_wait: bool = False) -> Ticket | None:
+        """A backend of ``group`` admitted by its breaker, or None when there is none.
+        ``pin_wait``: a session pinned to a backend at capacity raises ``PinFull`` while
+        another has room, instead of moving at once."""
         exclude = list(exclude)
         while True:
             candidates = [b for b in self._pool.candidates(request.model, group)
                           if b not in exclude]
+            full: list[Backend] = []
             if candidates and any(b.capacity for b in candidates):
-                candidates = [b for b in candidates if self._room(b, reserve)]
+                full = [b for b in candidates if not self._room(b, reserve)]
+                candidates = [b for b in candidates if b not in full]
                 if not candidates:
                     raise NoRoom
             if candidates:
-                backend = await self._pick(request, candidates)
+                backend = await self._pick(request, candidates, full if pin_wait else ())
                 ticket = self._breakers.admit(backend)
             else:
                 panic = self._panic(request, group, exclude)
@@ -68,17 +75,28 @@ class Router:
     async def place(self, request: Request, group: str | None, tried: list[Backend],
                     queue: WaitQueue, tenant: str, band: int) -> Ticket | None:
         """``choose``; while every backend is at capacity, the request waits its turn in
-        ``queue`` (behind those already waiting, unless a reserved place is its to take)."""
+        ``queue`` (behind those already waiting, unless a reserved place is its to take).
+        A session whose pinned backend is at capacity while another has room waits up to
+        ``queue.pin_wait`` for a place on its own, then moves."""
         front = False
         if queue.waiting and not queue.skips(tenant):
             await queue.wait(band, tenant)
             front = True
+        pin_wait = queue.pin_wait  # what is left of it
         while True:
+            reserve = queue.reserve_for(tenant)
             try:
-                return await self.choose(request, group, tried, queue.reserve_for(tenant))
+                return await self.choose(request, group, tried, reserve, pin_wait > 0)
             except NoRoom:
                 await queue.wait(band, tenant, front)
                 front = True
+            except PinFull as full:
+                loop = asyncio.get_running_loop()
+                began = loop.time()
+                if await queue.wait_for(partial(self._room, full.backend, reserve), pin_wait):
+                    pin_wait = max(pin_wait - (loop.time() - began), 1e-3)
+                else:
+                    pin_wait = 0.0  # it did not free in time: the session moves
 
     def _room(self, backend: Backend, reserve: int) -> bool:
         """Below its capacity (this process's share of it, less the ``reserve`` places the
@@ -108,7 +126,8 @@ class Router:
         return self._breakers.least_bad(
             [b for b in self._pool.ejected(request.model, group) if b not in exclude])
 
-    async def _pick(self, request: Request, candidates: list[Backend]) -> Backend:
+    async def _pick(self, request: Request, candidates: list[Backend],
+                    full: Sequence[Backend] = ()) -> Backend:
         if request.session_key is None or self.store is None:
             return self._policy.choose(candidates, request)
         key = f"{request.model}:{request.session_key}"
@@ -127,6 +146,8 @@ class Router:
             assert fallback is not None
             return fallback
         current = next((b for b in candidates if b.name == pinned), None)
+        if current is None and (held := next((b for b in full if b.name == pinned), None)):
+            raise PinFull(held)  # its own is at capacity: it may wait a little for it
         if current is not None and not self._overloaded(current, candidates):
             self._sticky.labels("hit").inc()
             return current

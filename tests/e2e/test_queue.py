@@ -46,16 +46,17 @@ class Call(threading.Thread):
     """One chat request in the background; ``done`` records the order replies came."""
 
     def __init__(self, gw: Gateway, tenant: str, done: list[str], label: str = "",
-                 sim: str = "", timeout: float = 30) -> None:
+                 sim: str = "", timeout: float = 30, session: str = "") -> None:
         super().__init__(daemon=True)
-        self.args_ = (gw, tenant, done, label or tenant, sim, timeout)
+        self.args_ = (gw, tenant, done, label or tenant, sim, timeout, session)
         self.status = 0
         self.error = ""
         self.start()
 
     def run(self) -> None:
-        gw, tenant, done, label, sim, timeout = self.args_
-        headers = {"authorization": f"Bearer {KEYS[tenant]}", "x-sim": sim}
+        gw, tenant, done, label, sim, timeout, session = self.args_
+        headers = {"authorization": f"Bearer {KEYS[tenant]}", "x-sim": sim,
+                   **({"x-session-id": session} if session else {})}
         try:
             reply = httpx.post(gw.url + "/v1/chat/completions", headers=headers, timeout=timeout,
                                json={"model": "sim-model", "max_tokens": 2,
@@ -166,3 +167,32 @@ def test_a_full_queue_lets_go_of_the_flooding_tenant_not_the_quiet_one(
     assert '"queue_full"' in evicted.error
     # Round robin: a1 (a's turn), then b1, then a2; a3 (a's newest) was let go at once.
     assert done == ["a3", "holder", "a1", "b1", "a2"]
+
+
+@pytest.mark.parametrize("pin_wait", [30.0, 0.0])
+def test_a_session_waits_for_its_pinned_backend_within_the_bound(
+        tmp: Path, sim: Sim, pin_wait: float) -> None:
+    """Two backends of one place each: the session's own is busy, the other free. Within
+    ``pin_wait`` it waits for its own (its prefix cache is there); with 0 it moves at once."""
+    config = (f"[queue]\npin_wait = {pin_wait}\n[health]\ninterval = 0.3\n"
+              + backend_toml("a", sim.url, "max_concurrent = 1")
+              + backend_toml("b", sim.url, "max_concurrent = 1"))
+    gw = Gateway(tmp, config, name=f"pinwait{int(pin_wait)}")
+    try:
+        wait_for(lambda: http_ok(gw.url + "/readyz"), 10, "ready")
+        done: list[str] = []
+        held = Call(gw, "a", done, "holder", HOLD, session="s1")
+        wait_for(lambda: sum(metric(gw.url, "gateway_in_flight", backend=b)
+                             for b in "ab") == 1, 5, "holder in")
+        follower = Call(gw, "a", done, "follower", session="s1")
+        for call in (held, follower):
+            call.join(30)
+        assert held.status == follower.status == 200
+        if pin_wait:
+            assert done == ["holder", "follower"]  # it waited for the holder's place
+            assert metric(gw.url, "gateway_sticky_total", result="hit") == 1
+        else:
+            assert done == ["follower", "holder"]  # it took the free backend
+            assert metric(gw.url, "gateway_sticky_total", result="repin") == 1
+    finally:
+        gw.stop()

@@ -194,3 +194,43 @@ def test_room_is_the_share_of_capacity_less_the_reserve_and_vllms_own_saturation
     assert room(0, load=LoadReport(running=4, waiting=3))  # nothing of ours would wake us
     assert room(1, load=LoadReport(running=2, waiting=1))  # a step's wait, not saturation
     assert room(0) and not room(2, reserve=0)
+
+
+def test_a_session_waits_a_bounded_time_for_its_pinned_backend_to_free(
+        server: RedisServer) -> None:
+    from gateway.resilience.breaker import Outcome
+    from gateway.routing.queue import WaitQueue
+    from gateway.tenancy import QueueSection
+
+    pool = [factories.backend(f"b{i}", ready=True, models={"m"}, max_concurrent=1)
+            for i in range(2)]
+
+    def steps_with(pin_wait: float, frees: bool) -> object:
+        async def steps(router: Router, client: object) -> list[str]:
+            queue = WaitQueue(QueueSection(pin_wait=pin_wait), Metrics())
+            first = await pick(router, ctx("p"))
+            assert first is not None
+            first.in_flight = 1  # its one place is taken; the other backend has room
+            placing = asyncio.create_task(router.place(ctx("p"), None, [], queue, "t", 0))
+            if frees:
+                deadline = asyncio.get_running_loop().time() + 5
+                while queue.idle:  # until it waits for its own
+                    assert asyncio.get_running_loop().time() < deadline, "never waited"
+                    await asyncio.sleep(0.01)
+                assert not placing.done()
+                first.in_flight = 0
+                queue.freed()
+            ticket = await asyncio.wait_for(placing, 10)
+            assert ticket is not None
+            ticket.done(Outcome.NEUTRAL)
+            first.in_flight = 0
+            return [first.name, ticket.backend.name]
+
+        return steps
+
+    waited, metrics = run(server, pool, RoutingSection(), steps_with(30.0, frees=True))
+    assert waited[0] == waited[1] and count(metrics, "hit") == 1  # it freed: it stayed
+    moved, metrics = run(server, pool, RoutingSection(), steps_with(0.05, frees=False))
+    assert moved[0] != moved[1] and count(metrics, "repin") == 1  # bound passed: moved
+    at_once, metrics = run(server, pool, RoutingSection(), steps_with(0.0, frees=False))
+    assert at_once[0] != at_once[1]
