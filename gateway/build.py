@@ -176,7 +176,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
         supervisors.update({b.name: supervise(b) for b in pool.backends if b.managed})
     status = Status(pool, breakers, canary, router, degraded, supervisors, metrics)
     reloadable = Reloadable(pool, breakers, canary, supervisors,
-                            supervise if control is None else None, checker)
+                            supervise if control is None else None, checker, keyring, queue)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
                            shared, workers, control)
     return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,

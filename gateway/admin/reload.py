@@ -24,10 +24,12 @@ from gateway.config import Config, ConfigError, load
 from gateway.errors import GatewayError, NoConfigPath, ReloadRefused
 from gateway.resilience.breaker import Breakers
 from gateway.routing.pool import BackendPool
+from gateway.routing.queue import WaitQueue
+from gateway.tenants.keyring import Keyring
 
 log = logging.getLogger("gateway.reload")
 
-APPLIED = ("backends", "models", "canary")
+APPLIED = ("backends", "models", "canary", "keys")  # and gateway.api_keys
 
 
 @dataclass
@@ -40,6 +42,8 @@ class Reloadable:
     supervisors: dict[str, Supervisor]
     make_supervisor: Callable[[Backend], Supervisor] | None  # None: another process does
     checker: HealthChecker | None = None
+    keyring: Keyring | None = None
+    queue: WaitQueue | None = None
     background: set[asyncio.Future[object]] = field(default_factory=set)
 
 
@@ -94,8 +98,12 @@ async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[s
     if parts.checker is not None and added:
         await parts.checker.check_all()  # new url backends route at once, not after a tick
     _canary(parts.canary, old, new, who)
+    _keys(parts, new)
+    # The keys (api_keys included) apply; any other change in [gateway] needs a restart.
+    same_keys = old.model_copy(update={"gateway": old.gateway.model_copy(
+        update={"api_keys": new.gateway.api_keys})})
     later = sorted(k for k in type(new).model_fields
-                   if k not in APPLIED and getattr(old, k) != getattr(new, k))
+                   if k not in APPLIED and getattr(same_keys, k) != getattr(new, k))
     summary: dict[str, object] = {
         "kept": kept, "added": [b.name for b in added], "removed": [b.name for b in removed],
         "needs_restart": later}
@@ -141,6 +149,13 @@ def _finished(parts: Reloadable, task: asyncio.Future[object]) -> None:
         log.warning("%s", exc.message)
     elif exc is not None:
         log.error("a background job failed", exc_info=exc)
+
+
+def _keys(parts: Reloadable, new: Config) -> None:
+    if parts.keyring is not None:
+        parts.keyring.replace(new.keys, new.gateway.api_keys)
+        if parts.queue is not None:
+            parts.queue.tenants(len(parts.keyring.tenants))
 
 
 def _canary(canary: Canary, old: Config, new: Config, who: str) -> None:

@@ -39,7 +39,8 @@ class WaitQueue:
         self._settings = settings
         self._metrics = metrics
         # Places held per tenant in this process (for the reserve; with several tenants).
-        self._reserve = settings.reserve if tenants > 1 else 0
+        self._reserve = 0
+        self.tenants(tenants)
         self._held: dict[str, int] = {}
         # band -> tenant -> its waiters, oldest first; tenants in turn order
         self._bands: dict[int, OrderedDict[str, deque[asyncio.Future[None]]]] = {}
@@ -51,6 +52,10 @@ class WaitQueue:
     def idle(self) -> bool:
         """Nobody waits: a freed place wakes no one."""
         return not self.waiting and not self._pinned
+
+    def tenants(self, count: int) -> None:
+        """How many tenants there are (a reload may change it): the reserve needs two."""
+        self._reserve = self._settings.reserve if count > 1 else 0
 
     async def wait_for(self, room: Callable[[], bool], seconds: float) -> bool:
         """Until ``room()`` holds (checked each time a place is freed) or ``seconds`` pass.

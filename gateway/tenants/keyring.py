@@ -46,6 +46,11 @@ def _tenant(spec: KeySpec) -> Tenant:
 
 class Keyring:
     def __init__(self, keys: Sequence[KeySpec] = (), flat: Sequence[SecretStr] = ()) -> None:
+        self.replace(keys, flat)
+
+    def replace(self, keys: Sequence[KeySpec], flat: Sequence[SecretStr] = ()) -> None:
+        """Take the keys of a reloaded config (every holder of this keyring sees them at
+        once; a request already admitted keeps its tenant)."""
         entries = [(s.get_secret_value(), Tenant(f"api_keys.{i}")) for i, s in enumerate(flat)]
         entries += [(spec.key.get_secret_value(), _tenant(spec)) for spec in keys]
         self._plain = [(k.encode(), t) for k, t in entries if not k.startswith(DIGEST)]

@@ -17,16 +17,16 @@ MINUTE = 60
 class Ledger:
     def __init__(self, link: RedisLink | None, keyring: Keyring, window: float,
                  clock: Callable[[], float] = time.time) -> None:
-        # Kept only when keys are configured: an open gateway has one anonymous caller, and
-        # its totals are the metrics'.
-        self._link = link if not keyring.open else None
+        self._link = link
         self._keyring = keyring
         self._minutes = max(1, int(window // MINUTE))
         self._prefix = (link.prefix if link is not None else "") + "use:"
         self._clock = clock
 
     def record(self, tenant: str, usage: tuple[int, int] | None) -> None:
-        if self._link is None:
+        # Kept only when keys are configured (a reload may add them): an open gateway has
+        # one anonymous caller, and its totals are the metrics'.
+        if self._link is None or self._keyring.open:
             return
         key = f"{self._prefix}{tenant}:{int(self._clock() // MINUTE)}"
         prompt, completion = usage or (0, 0)

@@ -193,3 +193,28 @@ def test_the_admin_view_sums_each_keys_use_across_replicas(
     entry = bob()
     assert entry["max_concurrent"] == 1 and entry["models"] == ["sim-model"]
     assert httpx.get(one.url + "/admin/keys").json()["window_s"] == 3600
+
+
+def test_a_reload_applies_new_keys_without_a_restart(tmp: Path, sim: Sim) -> None:
+    """Rotating keys is a reload: a key taken out is refused at once, a new one (stored as
+    a digest) and a flat api_keys entry are accepted, and nothing asks for a restart."""
+    gw = start(tmp, "rekey", sim)
+    try:
+        assert chat(gw, ALICE).status_code == 200
+        dave, flat = "dave-secret-key-4444", "flat-secret-key-55555"
+        digest = hashlib.sha256(dave.encode()).hexdigest()
+        text = gw.config_path.read_text()
+        assert f'key = "{ALICE}"' in text
+        text = text.replace("[gateway]\n", f'[gateway]\napi_keys = ["{flat}"]\n', 1)
+        gw.config_path.write_text(text.replace(
+            f'name = "alice"\nkey = "{ALICE}"', f'name = "dave"\nkey = "sha256:{digest}"'))
+        reply = httpx.post(gw.url + "/admin/reload", json={"who": "test"}, timeout=10)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["needs_restart"] == []
+        assert chat(gw, ALICE).status_code == 401
+        assert chat(gw, dave).status_code == 200 and chat(gw, flat).status_code == 200
+        names = {k["name"] for k in httpx.get(gw.url + "/admin/keys").json()["keys"]}
+        assert names == {"api_keys.0", "dave", "bob", "carol"}
+        assert dave not in gw.proc.output() and flat not in gw.proc.output()
+    finally:
+        gw.stop()
