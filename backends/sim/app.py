@@ -55,7 +55,7 @@ class SimStats:
 
 class SimApp:
     def __init__(self, options: SimOptions) -> None:
-        self.options = options
+        self.options = self._base = options
         self.stats = SimStats()
         self.prefix = PrefixCache()
         self._random = random.Random(options.seed)
@@ -76,6 +76,7 @@ class SimApp:
             "/v1/models": ("GET", self._models),
             "/metrics": ("GET", self._metrics),
             "/sim/stats": ("GET", self._stats),
+            "/sim/fault": ("POST", self._fault),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -104,6 +105,18 @@ class SimApp:
 
     async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, orjson.dumps(self.stats.as_dict()))
+
+    async def _fault(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``{"set": "fault=stall,after=2"}`` (the x-sim syntax) applies to every request
+        from now on, over the start options; ``{"set": ""}`` restores them."""
+        raw = await read_body(receive)
+        try:
+            spec = str(orjson.loads(raw or b"{}").get("set", ""))
+            self.options = self._base.override(spec)
+        except (ValueError, AttributeError) as exc:
+            await respond(send, 400, error_body(400, str(exc), "BadRequestError"))
+            return
+        await respond(send, 200, orjson.dumps({"set": spec}))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         label = f'{{model_name="{self.options.models[0]}"}}'

@@ -60,7 +60,7 @@ class RequestLog:
                 "duration_ms": round(duration * 1000, 2),
                 "chunks": record.chunks if request.stream else None,
                 "tokens": list(usage) if usage is not None else None,
-                "note": record.note or None})
+                "attempts": record.attempts, "note": record.note or None})
 
     def rejected(self, request_id: str, path: str, status: int, duration: float) -> None:
         """A request refused before its body could be read as one (413, 408, 400)."""

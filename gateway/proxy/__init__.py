@@ -215,6 +215,7 @@ class Proxy:
             if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
                 break
             tried.append(ticket.backend)
+            record.attempts = n
             self._hold(record)
             with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))

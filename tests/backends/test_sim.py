@@ -161,3 +161,19 @@ def test_split_writes_events_in_pieces(sim: Sim) -> None:
     assert max(len(p) for p in pieces) <= 7 < len(whole)
     events = whole.split(b"\n\n")
     assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 6
+
+
+def test_a_fault_set_at_runtime_applies_until_it_is_cleared(tmp_path: Path) -> None:
+    s = Sim(tmp_path, "runtime-fault")
+    try:
+        assert httpx.post(s.url + CHAT, json=chat("x")).status_code == 200
+        set_ = httpx.post(s.url + "/sim/fault", json={"set": "fault=500"})
+        assert set_.status_code == 200 and set_.json() == {"set": "fault=500"}
+        assert httpx.post(s.url + CHAT, json=chat("x")).status_code == 500
+        assert httpx.post(s.url + "/sim/fault", json={"set": ""}).status_code == 200
+        assert httpx.post(s.url + CHAT, json=chat("x")).status_code == 200
+        bad = httpx.post(s.url + "/sim/fault", json={"set": "nonsense=1"})
+        assert bad.status_code == 400 and "nonsense" in bad.json()["error"]["message"]
+        assert httpx.post(s.url + CHAT, json=chat("x")).status_code == 200
+    finally:
+        s.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,18 @@ def test_a_5xx_is_retried_transparently_on_another_backend(
     assert [r.status_code for r in replies] == [200] * 5
     assert {r.headers["x-gateway-backend"] for r in replies} == {"s1"}
     assert bad.stats()["requests"] >= 2
+    # The access log says how many backends each was asked of.
+    ids = {r.headers["x-request-id"] for r in replies}
+    wait_for(lambda: len(_attempts(gw, ids)) == 5, 5, "every access line")
+    attempts = _attempts(gw, ids)
+    assert max(attempts.values()) == 2 and min(attempts.values()) == 1
+    assert sum(attempts.values()) == 5 + bad.stats()["requests"]
+
+
+def _attempts(gw: Gateway, ids: set[str]) -> dict[str, int]:
+    lines = [json.loads(line) for line in gw.proc.output().splitlines() if line.startswith("{")]
+    return {line["id"]: line["attempts"] for line in lines
+            if line["msg"] == "request" and line["id"] in ids}
 
 
 def test_a_stream_that_failed_after_it_began_is_never_retried(
