@@ -10,6 +10,7 @@ weight drops to zero.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from gateway.canary.rollout import Canary
 from gateway.routing.pool import BackendPool
@@ -64,6 +65,17 @@ class Arms:
         if request.session_key is None or self.store is None:
             return None
         return asyncio.ensure_future(self._confirm(record, self.store, drawn))
+
+    def to_stable(self, record: Record, serves: Callable[[str], bool]) -> bool:
+        """The request's canary arm has no backend left to take it (all down, or tried):
+        the stable group does, when ``serves`` it. This request only: the session keeps its
+        arm, and goes back to the canary once it serves again."""
+        canary = self._canary
+        if not canary.enabled or record.group != canary.group or not serves(canary.stable):
+            return False
+        record.group = canary.stable
+        record.note = record.note or "canary unavailable: stable served"
+        return True
 
     async def _confirm(self, record: Record, store: ArmStore, drawn: str) -> None:
         request = record.request

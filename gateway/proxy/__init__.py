@@ -43,7 +43,7 @@ from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
 from gateway.proxy.parse import RequestParser
 from gateway.proxy.relay import Relay, header
-from gateway.resilience.attempt import Attempt, Failed, Next, busy_for, judge, retriable, settled
+from gateway.resilience.attempt import Attempt, Failed, Next, judge, note_busy, retriable, settled
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.degraded import Degraded
 from gateway.resilience.retry import RetryBudget, backoff
@@ -204,11 +204,8 @@ class Proxy:
         excluded = len(tried)
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
-            ticket = await self._router.place(request, record.group, tried, self._queue,
-                                              record.tenant, record.priority)
-            if arm is not None:
-                ticket = await self._settle_arm(record, arm, drawn, ticket)
-                arm = None
+            ticket = await self._place(record, tried, arm, drawn)
+            arm = None
             if admitting is not None and ticket is not None:
                 await _admitted(admitting, ticket)
                 admitting = None
@@ -242,6 +239,18 @@ class Proxy:
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
         await self._exhausted(record, send, tried[excluded:], failure)
+
+    async def _place(self, record: Record, tried: list[Backend], arm: asyncio.Task[None] | None,
+                     drawn: str | None) -> Ticket | None:
+        """The next attempt's backend (waiting while all are full); the session's stored arm
+        settled on the first; stable's when the canary arm has none left."""
+        ticket = await self._router.place(record.request, record.group, tried, self._queue,
+                                          record.tenant, record.priority)
+        if arm is not None:
+            ticket = await self._settle_arm(record, arm, drawn, ticket)
+        if ticket is None and self._to_stable(record, tried):
+            ticket = await self._router.choose(record.request, record.group, tried)
+        return ticket
 
     def _hold(self, record: Record) -> None:
         """One place per request (given back when it ends), however many attempts."""
@@ -280,6 +289,10 @@ class Proxy:
         self._mirror(record)
         return ticket
 
+    def _to_stable(self, record: Record, tried: list[Backend]) -> bool:
+        return self._arms.to_stable(
+            record, lambda group: self._router.can_retry(record.request, group, tried))
+
     def _mirror(self, record: Record) -> None:
         """Stable traffic is mirrored to the canary while shadowing is on."""
         if (self._canary.enabled and record.group == self._canary.stable
@@ -309,7 +322,7 @@ class Proxy:
         else:
             result, cause = reply.status, f"status {reply.status}"
             ticket.status = reply.status
-            busy = self._note_busy(reply, ticket.backend)
+            busy = note_busy(reply.status, header(reply.headers, b"retry-after"), ticket.backend)
         retry = retriable(result) and self._may_retry(
             record, tried, n, "connect" if result is Failed.CONNECT else str(result))
         outcome, step = judge(result, busy, retry)
@@ -338,23 +351,13 @@ class Proxy:
                    reason: str) -> bool:
         """Commit to another attempt: one is left, another backend could take it, and the
         budget pays for it. Nothing reached the client yet, so a retry is invisible."""
-        if attempt >= self._timeouts.max_attempts or not self._router.can_retry(
-                record.request, record.group, tried):
+        if attempt >= self._timeouts.max_attempts or not (self._router.can_retry(
+                record.request, record.group, tried) or self._to_stable(record, tried)):
             return False
         if not self._budget.withdraw():
             self._metrics.retry_budget_exhausted.inc()
             return False
         self._metrics.retries.labels(reason).inc()
-        return True
-
-    @staticmethod
-    def _note_busy(resp: UpstreamResponse, backend: Backend) -> bool:
-        """A 429/503 with Retry-After: busy, not broken. Skip the backend that long."""
-        seconds = busy_for(resp.status, header(resp.headers, b"retry-after"))
-        if not seconds:
-            return False
-        backend.mark_busy(seconds)
-        log.warning("backend %s busy: skipped for %.1f s (Retry-After)", backend.name, seconds)
         return True
 
     async def _open(

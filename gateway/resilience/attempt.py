@@ -11,9 +11,11 @@ The tally is passed in as a callable: it lives in ``canary``, a floor above this
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from types import TracebackType
 
+from backends.backend import Backend
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.retry import RETRIABLE, retry_after
 
@@ -37,6 +39,17 @@ def retriable(result: int | Failed) -> bool:
     """Worth another backend, if one is left: a connect failure or a status in RETRIABLE.
     A timeout or a connection broken before the headers is not: the request may have run."""
     return result is Failed.CONNECT or result in RETRIABLE
+
+
+def note_busy(status: int, retry_after_header: bytes, backend: Backend) -> bool:
+    """A 429/503 with Retry-After: busy, not broken. Skip the backend that long."""
+    seconds = busy_for(status, retry_after_header)
+    if not seconds:
+        return False
+    backend.mark_busy(seconds)
+    logging.getLogger("gateway.proxy").warning(
+        "backend %s busy: skipped for %.1f s (Retry-After)", backend.name, seconds)
+    return True
 
 
 def busy_for(status: int, header: bytes) -> float:

@@ -280,3 +280,33 @@ def test_reload_swaps_backends_without_dropping_a_stream_and_refuses_bad_config(
         gw.stop()
         for s in (old, new, canary):
             s.stop()
+
+
+def test_a_canary_with_no_backend_left_sends_its_requests_to_stable(
+    tmp_path: Path, redis_server: RedisServer, groups: tuple[Sim, Sim],
+) -> None:
+    """Found by the chaos soak: a canary group of one instance that failed or went away
+    answered its arm's requests with 500 or 503 while stable could serve them."""
+    canary = Sim(tmp_path, "lone-canary", "--model", "llama-v2")
+    gw = start(tmp_path, "fallback", redis_server.url, "weight = 100", [groups[0]], [canary])
+    try:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+
+        def ask(session: str) -> tuple[str, str]:
+            raw = client.chat.completions.with_raw_response.create(
+                model="llama", messages=MESSAGES, max_tokens=2,  # type: ignore[arg-type]
+                extra_headers={"x-session-id": session})
+            assert raw.parse().model == "llama"
+            return raw.headers["x-gateway-group"], raw.headers["x-gateway-backend"]
+
+        assert ask("s1") == ("canary", "canary0")
+        httpx.post(canary.url + "/sim/fault", json={"set": "fault=500"}).raise_for_status()
+        assert ask("s1") == ("stable", "stable0")  # its 500 retried on stable
+        canary.stop()
+        wait_for(lambda: httpx.get(gw.url + "/readyz").json()["backends"]["canary0"] != "ready",
+                 10, "the canary seen down")
+        assert ask("s1") == ("stable", "stable0") and ask("s2") == ("stable", "stable0")
+        assert canary_state(gw)["weight"] == 100  # the rollout itself is unchanged
+    finally:
+        gw.stop()
+        canary.stop()
