@@ -62,6 +62,7 @@ class Record:
     priority: int = 0  # its key's band in the gateway's queue
     placed: bool = False  # it took a place on a backend (freed when it ends)
     attempts: int = 0  # backends asked (the access log's "attempts")
+    outside_arm: bool = False  # its canary arm had no backend left: stable serves it
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
     admission: object = field(default=None, repr=False)  # what the key's limits lent it
 

@@ -69,11 +69,12 @@ class Arms:
     def to_stable(self, record: Record, serves: Callable[[str], bool]) -> bool:
         """The request's canary arm has no backend left to take it (all down, or tried):
         the stable group does, when ``serves`` it. This request only: the session keeps its
-        arm, and goes back to the canary once it serves again."""
+        arm and its pin (stable's backend is hashed from the session meanwhile), and goes
+        back to the canary once it serves again."""
         canary = self._canary
         if not canary.enabled or record.group != canary.group or not serves(canary.stable):
             return False
-        record.group = canary.stable
+        record.group, record.outside_arm = canary.stable, True  # its pin stays the canary's
         record.note = record.note or "canary unavailable: stable served"
         return True
 

@@ -245,11 +245,11 @@ class Proxy:
         """The next attempt's backend (waiting while all are full); the session's stored arm
         settled on the first; stable's when the canary arm has none left."""
         ticket = await self._router.place(record.request, record.group, tried, self._queue,
-                                          record.tenant, record.priority)
+                                          record.tenant, record.priority, not record.outside_arm)
         if arm is not None:
             ticket = await self._settle_arm(record, arm, drawn, ticket)
         if ticket is None and self._to_stable(record, tried):
-            ticket = await self._router.choose(record.request, record.group, tried)
+            ticket = await self._router.choose(record.request, record.group, tried, sticky=False)
         return ticket
 
     def _hold(self, record: Record) -> None:

@@ -44,10 +44,11 @@ class Router:
 
     async def choose(self, request: Request, group: str | None,
                      exclude: Sequence[Backend] = (), reserve: int = 0,
-                     pin_wait: bool = False) -> Ticket | None:
+                     pin_wait: bool = False, sticky: bool = True) -> Ticket | None:
         """A backend of ``group`` admitted by its breaker, or None when there is none.
         ``pin_wait``: a session pinned to a backend at capacity raises ``PinFull`` while
-        another has room, instead of moving at once."""
+        another has room, instead of moving at once. ``sticky=False``: a session's backend
+        is hashed and its pin left as it is (a request served outside its canary arm)."""
         exclude = list(exclude)
         while True:
             candidates = [b for b in self._pool.candidates(request.model, group)
@@ -59,7 +60,7 @@ class Router:
                 if not candidates:
                     raise NoRoom
             if candidates:
-                backend = await self._pick(request, candidates, full if pin_wait else ())
+                backend = await self._pick(request, candidates, full if pin_wait else (), sticky)
                 ticket = self._breakers.admit(backend)
             else:
                 panic = self._panic(request, group, exclude)
@@ -73,7 +74,8 @@ class Router:
             exclude.append(backend)
 
     async def place(self, request: Request, group: str | None, tried: list[Backend],
-                    queue: WaitQueue, tenant: str, band: int) -> Ticket | None:
+                    queue: WaitQueue, tenant: str, band: int,
+                    sticky: bool = True) -> Ticket | None:
         """``choose``; while every backend is at capacity, the request waits its turn in
         ``queue`` (behind those already waiting, unless a reserved place is its to take).
         A session whose pinned backend is at capacity while another has room waits up to
@@ -86,7 +88,7 @@ class Router:
         while True:
             reserve = queue.reserve_for(tenant)
             try:
-                return await self.choose(request, group, tried, reserve, pin_wait > 0)
+                return await self.choose(request, group, tried, reserve, pin_wait > 0, sticky)
             except NoRoom:
                 await queue.wait(band, tenant, front)
                 front = True
@@ -127,10 +129,14 @@ class Router:
             [b for b in self._pool.ejected(request.model, group) if b not in exclude])
 
     async def _pick(self, request: Request, candidates: list[Backend],
-                    full: Sequence[Backend] = ()) -> Backend:
+                    full: Sequence[Backend] = (), sticky: bool = True) -> Backend:
         if request.session_key is None or self.store is None:
             return self._policy.choose(candidates, request)
         key = f"{request.model}:{request.session_key}"
+        if not sticky:
+            hashed = rendezvous(key.encode(), candidates)
+            assert hashed is not None
+            return hashed
         # Where the session goes if it is new, decided before asking: the claim and the
         # lookup are then one round trip. A pinned session takes its choice back.
         choice = self._pin_policy.choose(candidates, request)

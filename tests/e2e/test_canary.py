@@ -286,9 +286,12 @@ def test_a_canary_with_no_backend_left_sends_its_requests_to_stable(
     tmp_path: Path, redis_server: RedisServer, groups: tuple[Sim, Sim],
 ) -> None:
     """Found by the chaos soak: a canary group of one instance that failed or went away
-    answered its arm's requests with 500 or 503 while stable could serve them."""
-    canary = Sim(tmp_path, "lone-canary", "--model", "llama-v2")
-    gw = start(tmp_path, "fallback", redis_server.url, "weight = 100", [groups[0]], [canary])
+    answered its arm's requests with 500 or 503 while stable could serve them; then, served
+    by stable, its sessions' pins flipped between the groups on every request."""
+    canary, second = Sim(tmp_path, "lone-canary", "--model", "llama-v2"), Sim(
+        tmp_path, "second-stable", "--model", "llama-v1")
+    gw = start(tmp_path, "fallback", redis_server.url, "weight = 100", [groups[0], second],
+               [canary])
     try:
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
 
@@ -301,12 +304,18 @@ def test_a_canary_with_no_backend_left_sends_its_requests_to_stable(
 
         assert ask("s1") == ("canary", "canary0")
         httpx.post(canary.url + "/sim/fault", json={"set": "fault=500"}).raise_for_status()
-        assert ask("s1") == ("stable", "stable0")  # its 500 retried on stable
+        group, first = ask("s1")  # its 500 retried on stable (the budget's floor: 3 retries)
+        assert group == "stable"
+        assert ask("s1") == ("stable", first)  # hashed to one stable backend, not re-pinned
         canary.stop()
         wait_for(lambda: httpx.get(gw.url + "/readyz").json()["backends"]["canary0"] != "ready",
                  10, "the canary seen down")
-        assert ask("s1") == ("stable", "stable0") and ask("s2") == ("stable", "stable0")
+        assert {ask("s1") for _ in range(6)} == {("stable", first)}
+        assert ask("s2")[0] == "stable"
+        pins = redis_server.client().keys("fallback:pin:*")
+        assert [redis_server.client().get(k) for k in pins if k.endswith(":s1")] == ["canary0"]
         assert canary_state(gw)["weight"] == 100  # the rollout itself is unchanged
     finally:
         gw.stop()
         canary.stop()
+        second.stop()
