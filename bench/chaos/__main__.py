@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 import tempfile
 import time
@@ -78,11 +79,20 @@ def soak(stack: stacks.Stack, seconds: float, args: argparse.Namespace,
         sample.at, sample.started = sample.at - began, sample.started - began
     window = 300.0 if not short else seconds / 2
     summary = summarize(load.records, driver.faults, driver.samples,
-                        [g.log for g in stack.gateways], window, began_wall)
+                        [g.log for g in stack.gateways], window, began_wall,
+                        processes=_serving_processes(stack))
     raw = {"seed": args.seed, "seconds": seconds, "faults": [asdict(f) for f in driver.faults],
            "records": [asdict(r) for r in load.records],
            "samples": [asdict(s) for s in driver.samples]}
     return summary, raw
+
+
+def _serving_processes(stack: stacks.Stack) -> int:
+    """Serving processes over every start of every replica (each starts with a full budget
+    floor), from the line each start logs."""
+    found = [int(n) for g in stack.gateways
+             for n in re.findall(r"with (\d+) worker processes", g.log.read_text(errors="replace"))]
+    return max(1, sum(found))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,10 @@ def markdown(s: dict[str, Any], seed: int, seconds: float, command: str) -> str:
              ("sessions that changed backend, explained by a fault or the gateway's log",
               s["switches_explained"]),
              ("**sessions that changed backend without a cause**", s["unexplained_switches"]),
-             ("**requests asked of more backends than `max_attempts` (3)**", s["over_attempts"])]
+             ("**requests asked of more backends than `max_attempts` (3)**", s["over_attempts"]),
+             (f"retries (attempts after the first; the budget allowed {s['retry_budget']:,})",
+              s["retries"]),
+             ("**retries beyond the budget**", s["over_budget"])]
     lines += [f"| {k} | {v:,} |" for k, v in rows]
     lines += ["", f"Backends asked per request (access logs): {s['attempts']}.",
               f"Faults injected: {dict(s['faults'])}.",

@@ -17,8 +17,9 @@ from bench.chaos.faults import Fault, Sample
 BACKEND_SETTLE = 15.0  # a backend's fault explains a move this long after it ended (breaker)
 REDIS_SETTLE = 5.0  # Redis' likewise (the link's reconnect, the hashing fallback)
 MAX_ATTEMPTS = 3  # upstream.max_attempts, the default
+BUDGET_RATIO, BUDGET_FLOOR = 0.2, 3  # upstream.retry_budget_ratio and _floor (per process)
 FAILING = ("truncated", "malformed", "hung", "disordered", "unexplained_switches",
-           "over_attempts")
+           "over_attempts", "over_budget")
 
 
 def switches(records: list[Rec], faults: list[Fault]) -> tuple[int, list[dict[str, Any]]]:
@@ -159,8 +160,18 @@ def footprint(samples: list[Sample], window: float) -> dict[str, dict[str, Any]]
     return out
 
 
+def _budget(asked: Counter[int], processes: int) -> dict[str, int]:
+    """Retries (attempts after the first) against what the budget allows the whole run:
+    the ratio of the requests plus each serving process's floor."""
+    retries = sum((a - 1) * n for a, n in asked.items() if a > 1)
+    allowed = int(BUDGET_RATIO * sum(asked.values())) + BUDGET_FLOOR * processes
+    return {"retries": retries, "retry_budget": allowed,
+            "over_budget": max(0, retries - allowed)}
+
+
 def summarize(records: list[Rec], faults: list[Fault], samples: list[Sample],
-              logs: list[Path], window: float, began_wall: float) -> dict[str, Any]:
+              logs: list[Path], window: float, began_wall: float,
+              processes: int = 1) -> dict[str, Any]:
     outcomes = Counter(r.outcome for r in records)
     logged = log_causes(logs, began_wall)
     explained, unexplained = switches(records, faults + logged)
@@ -176,6 +187,7 @@ def summarize(records: list[Rec], faults: list[Fault], samples: list[Sample],
         "unexplained": unexplained[:20],
         "attempts": dict(sorted(asked.items())),
         "over_attempts": sum(n for a, n in asked.items() if a > MAX_ATTEMPTS),
+        **_budget(asked, processes),
         "faults": Counter(f.kind for f in faults),
         "logged_causes": Counter(f.kind for f in logged),
         "state_after_restarts": [{"kind": f.kind, "at": round(f.start, 1), **f.detail["kept"]}
