@@ -27,6 +27,8 @@ class HealthSettings(BaseModel):
     # vLLM's own load report (/metrics): requests running and waiting, KV-cache use, prefix
     # cache hits. 0 = don't scrape (the policy then counts only the gateway's in-flight).
     metrics_interval: float = Field(default=2.0, ge=0)
+    # How often a [[backends]] discover name is resolved again (backends.discovery).
+    discover_interval: float = Field(default=5.0, gt=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import urllib.parse
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import (
@@ -87,6 +89,34 @@ class SpawnSpec(BaseModel):
         return self.served_model_name or self.model
 
 
+@dataclass(frozen=True, slots=True)
+class DnsTarget:
+    name: str
+    port: int
+    server: str | None = None
+    server_port: int = 53
+
+    @classmethod
+    def parse(cls, value: str) -> DnsTarget:
+        parts = urllib.parse.urlsplit(value)
+        if parts.scheme != "dns":
+            raise ValueError("must be dns://NAME:PORT or dns://SERVER[:PORT]/NAME:PORT")
+        authority, path = parts.netloc, parts.path.lstrip("/")
+        server, server_port = None, 53
+        if path:  # dns://SERVER[:PORT]/NAME:PORT
+            host, _, sport = authority.rpartition(":") if ":" in authority else (authority, "", "")
+            server, server_port = host or None, int(sport) if sport else 53
+            target = path
+        else:
+            target = authority
+        name, _, port = target.rpartition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("needs a name and a port: dns://NAME:PORT")
+        if server is not None:
+            ipaddress.ip_address(server)  # raises ValueError: the server must be an address
+        return cls(name.rstrip("."), int(port), server, server_port)
+
+
 class BackendSpec(BaseModel):
     """One backend: reached by ``url``, or spawned from a ``spawn`` table."""
 
@@ -95,6 +125,9 @@ class BackendSpec(BaseModel):
     name: Name
     url: HttpUrl | None = None
     spawn: SpawnSpec | None = None
+    # dns://NAME:PORT (or dns://SERVER/NAME:PORT): one backend per address it resolves to
+    # (backends.discovery), re-resolved every [health] discover_interval.
+    discover: str | None = None
     group: Name = "stable"
     api_key: Secret | None = Field(
         default=None, description="sent upstream as 'Authorization: Bearer ...'"
@@ -127,8 +160,10 @@ class BackendSpec(BaseModel):
 
     @model_validator(mode="after")
     def _url_or_spawn(self) -> BackendSpec:
-        if (self.url is None) == (self.spawn is None):
-            raise ValueError("give either 'url' or a [backends.spawn] table (exactly one)")
+        if sum(x is not None for x in (self.url, self.spawn, self.discover)) != 1:
+            raise ValueError("give 'url', 'discover' or a [backends.spawn] table (exactly one)")
+        if self.discover is not None:
+            DnsTarget.parse(self.discover)
         return self
 
     @property

@@ -17,6 +17,7 @@ from redis.backoff import NoBackoff
 
 from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
+from backends.spec import BackendSpec
 from backends.supervisor import Supervisor
 from gateway.admin.backends import Admin
 from gateway.admin.canary import CanaryAdmin, Reload
@@ -132,14 +133,20 @@ def tenants(config: Config, link: RedisLink | None, keyring: Keyring,
     return TenantGate(limits, ledger), ledger
 
 
+def _fixed(config: Config) -> list[BackendSpec]:
+    """The backends known from the config itself (``discover`` ones are resolved at start,
+    by the lifespan, and after)."""
+    return [spec for spec in config.backends if spec.discover is None]
+
+
 def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts:
     """Every part, whole, from ``config`` (read from ``path``, which a reload reads again),
     for the process ``role`` says this is (see ``gateway.control``)."""
     metrics = Metrics()
     keyring = Keyring(config.keys, config.gateway.api_keys)
-    breakers = Breakers(config.breaker, [spec.name for spec in config.backends],
+    breakers = Breakers(config.breaker, [spec.name for spec in _fixed(config)],
                         [MetricsListener(metrics)])
-    pool = BackendPool([Backend(spec) for spec in config.backends], breakers.allows,
+    pool = BackendPool([Backend(spec) for spec in _fixed(config)], breakers.allows,
                        ModelNames(config.models))
     canary = Canary(config.canary, metrics)
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None

@@ -116,13 +116,29 @@ class Lifespan:
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError,
                                      KeyError):
                 await parts.link.sync_once()  # spawned backends' states before serving
+        reloader = parts.operators.reloader
+        if reloader.discovers:  # the backends DNS names stand for, before serving
+            await reloader.rediscover()
         await parts.checker.check_all()
         loops = [asyncio.create_task(parts.checker.run(), name="health"),
                  asyncio.create_task(parts.operators.ops.refresh(), name="gauges"),
                  *await self._load_scraper()]
         if parts.link is not None:
             loops.append(asyncio.create_task(parts.link.run(), name="control-link"))
+        if reloader.discovers:
+            loops.append(asyncio.create_task(self._discover(), name="discovery"))
         return loops
+
+    async def _discover(self) -> None:
+        """Resolve the ``discover`` names every ``health.discover_interval`` (a reload may
+        add or remove such entries: the loop runs while any is configured at start)."""
+        reloader = self._parts.operators.reloader
+        while True:
+            await asyncio.sleep(self._config.health.discover_interval)
+            try:
+                await reloader.rediscover()
+            except Exception:  # a bad round must not end discovery
+                log.exception("backend discovery failed; trying again")
 
     async def _load_scraper(self) -> list[asyncio.Task[None]]:
         """The task scraping vLLM's /metrics (and the GPUs), when enabled."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.backend import Backend
+from backends.discovery import Discovery
 from backends.health import HealthChecker
 from backends.supervisor import Supervisor
 from gateway.canary.rollout import Canary, Phase
@@ -48,12 +49,19 @@ class Reloadable:
 
 
 class Reloader:
-    """Reads the config file again and applies what can change while running."""
+    """Reads the config file again and applies what can change while running; resolves
+    the ``discover`` entries again (``rediscover``) and applies what they now stand for."""
 
     def __init__(self, parts: Reloadable, config: Config, path: str | None) -> None:
         self._parts = parts
         self.config = config  # the running config, replaced by each reload that applies
         self.path = path
+        self._discovery = Discovery()
+        self._lock = asyncio.Lock()  # one apply at a time: a reload or a rediscovery
+
+    @property
+    def discovers(self) -> bool:
+        return any(spec.discover is not None for spec in self.config.backends)
 
     async def __call__(self, who: str) -> dict[str, Any]:
         """Raises NoConfigPath or ReloadRefused (AdminErrors); the running config stays."""
@@ -66,9 +74,23 @@ class Reloader:
                       "\n".join(exc.problems))
             raise ReloadRefused("invalid config; the running config stays",
                                 exc.problems) from None
-        summary = await apply(self._parts, self.config, new, who)
-        self.config = new
+        async with self._lock:
+            summary = await apply(self._parts, self.config, await self._expanded(new), who)
+            self.config = new
         return {"reloaded": True, **summary}
+
+    async def rediscover(self) -> None:
+        """Look the ``discover`` names up again; apply only when the backends they stand
+        for changed (a new address starts like a new backend; a gone one is drained)."""
+        async with self._lock:
+            expanded = await self._expanded(self.config)
+            if {s.name: s for s in expanded.backends} != {
+                    b.name: b.spec for b in self._parts.pool.backends}:
+                await apply(self._parts, self.config, expanded, "discovery")
+
+    async def _expanded(self, config: Config) -> Config:
+        backends = tuple(await self._discovery.expand(config.backends))
+        return config.model_copy(update={"backends": backends})
 
 
 async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[str, object]:

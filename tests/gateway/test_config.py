@@ -118,8 +118,8 @@ def test_a_backend_is_either_url_or_spawn() -> None:
         {"name": "c", "spawn": {"model": "m"}},
     ]})
     assert found == [
-        "backends.0: give either 'url' or a [backends.spawn] table (exactly one)",
-        "backends.1: give either 'url' or a [backends.spawn] table (exactly one)",
+        "backends.0: give 'url', 'discover' or a [backends.spawn] table (exactly one)",
+        "backends.1: give 'url', 'discover' or a [backends.spawn] table (exactly one)",
         "backends.2.spawn.port: required key is missing",
     ]
 
