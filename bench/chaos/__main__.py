@@ -61,8 +61,9 @@ def soak(stack: stacks.Stack, seconds: float, args: argparse.Namespace,
     began, began_wall = time.monotonic(), time.time()
     until = began + seconds
     short = seconds < 300
+    window = 300.0 if not short else seconds / 2  # the stretch memory is measured over
     driver = Driver(stack, args.seed, until, gap=(1.0, 3.0) if short else (2.0, 8.0),
-                    hold=(2.0, 4.0) if short else (2.0, 8.0))
+                    hold=(2.0, 4.0) if short else (2.0, 8.0), spare_from=until - window)
     load = Load([g.ready.rsplit("/", 1)[0] for g in stack.gateways], args.clients, until,
                 args.seed, vllm=stack.vllm is not None)
     driver.start()
@@ -77,7 +78,6 @@ def soak(stack: stacks.Stack, seconds: float, args: argparse.Namespace,
         fault.start, fault.end = fault.start - began, fault.end - began
     for sample in driver.samples:
         sample.at, sample.started = sample.at - began, sample.started - began
-    window = 300.0 if not short else seconds / 2
     summary = summarize(load.records, driver.faults, driver.samples,
                         [g.log for g in stack.gateways], window, began_wall,
                         processes=_serving_processes(stack))

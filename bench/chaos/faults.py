@@ -44,9 +44,12 @@ class Sample:
 
 class Driver(threading.Thread):
     def __init__(self, stack: Stack, seed: int, until: float, gap: tuple[float, float],
-                 hold: tuple[float, float]) -> None:
+                 hold: tuple[float, float], spare_from: float) -> None:
         super().__init__(daemon=True, name="chaos-driver")
         self.stack, self.until, self.gap, self.hold = stack, until, gap, hold
+        # From then on the first replica is not killed: its memory and descriptors are
+        # measured over that stretch (the second one still is).
+        self.spare_from = spare_from
         self.rng = random.Random(seed)
         self.faults: list[Fault] = []
         self.samples: list[Sample] = []
@@ -90,7 +93,8 @@ class Driver(threading.Thread):
         self._restart(self.stack.sims[name], fault)
 
     def _kill_gateway(self, fault: Fault) -> None:
-        proc = self.rng.choice(self.stack.gateways)
+        spared = time.monotonic() >= self.spare_from
+        proc = self.rng.choice(self.stack.gateways[1:] if spared else self.stack.gateways)
         fault.target = proc.name
         before = self._state()
         self._restart(proc, fault)

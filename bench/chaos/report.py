@@ -22,7 +22,9 @@ Faults, one at a time at random intervals, every class once before any twice (se
 SIGKILL a simulator and start it again; stall one (its streams stop after 2 chunks);
 make one answer 500; make one send an in-band error event after 3 chunks; SIGKILL the valkey
 and start it again; SIGKILL one gateway replica (its process group: control process and
-workers) and start it again; SIGHUP one replica (a reload)."""
+workers; in the measured last part, only the second replica) and start it again; SIGHUP one
+replica (a reload). The real vLLM is never killed (its restart on two cores takes a minute);
+it serves through every other fault."""
 
 
 def markdown(s: dict[str, Any], seed: int, seconds: float, command: str) -> str:
@@ -57,8 +59,10 @@ def markdown(s: dict[str, Any], seed: int, seconds: float, command: str) -> str:
               "|---|---|---|---|---|---|"]
     lines += [f"| {k} | {v['sessions']} | {v['p50_s']} | {v['p90_s']} | {v['max_s']} | "
               f"{v['no_answer_after']} |" for k, v in s["recovery"].items()]
-    lines += ["", "Gateway memory and descriptors (each replica's process tree) over the "
-              "last part of the run:", "",
+    lines += ["", "Gateway memory and descriptors (each replica's process tree: control "
+              "process and workers) over the last part of the run (5 minutes for a 10-minute "
+              "run; gw1 is not killed in it, gw2 may be and is measured from its last start); "
+              "medians of the first and the last tenth of the samples (one a second):", "",
               "| replica | from s | to s | RSS MiB | growth | open fds | growth |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {k} | {v['from_s']} | {v['to_s']} | {v['rss_mb'][0]} → {v['rss_mb'][1]} | "

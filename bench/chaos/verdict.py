@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import statistics
 from collections import Counter, defaultdict
 from datetime import datetime
 from pathlib import Path
@@ -141,22 +142,25 @@ def attempts(logs: list[Path]) -> Counter[int]:
 
 
 def footprint(samples: list[Sample], window: float) -> dict[str, dict[str, Any]]:
-    """Each replica's RSS and open descriptors at the start and end of the last ``window``
-    seconds (from its restart, if it restarted inside the window)."""
+    """Each replica's RSS and open descriptors at the start and at the end of the last
+    ``window`` seconds (from its restart, if it restarted inside the window): the median of
+    the first and of the last tenth of the samples, so that one moment's open connections
+    do not pass for growth."""
     out: dict[str, dict[str, Any]] = {}
     if not samples:
         return out
     end = max(s.at for s in samples)
     for name in sorted({s.replica for s in samples}):
         mine = [s for s in samples if s.replica == name]
-        last = mine[-1]
-        span = [s for s in mine if s.started == last.started and s.at >= end - window]
-        first = span[0]
-        out[name] = {"from_s": round(first.at, 1), "to_s": round(last.at, 1),
-                     "rss_mb": [round(first.rss_mb, 1), round(last.rss_mb, 1)],
-                     "fds": [first.fds, last.fds],
-                     "rss_growth": round(last.rss_mb / first.rss_mb - 1, 3),
-                     "fd_growth": round(last.fds / first.fds - 1, 3)}
+        span = [s for s in mine if s.started == mine[-1].started and s.at >= end - window]
+        k = max(3, len(span) // 10)
+        first, last = span[:k], span[-k:]
+        rss = [statistics.median(s.rss_mb for s in part) for part in (first, last)]
+        fds = [statistics.median(s.fds for s in part) for part in (first, last)]
+        out[name] = {"from_s": round(span[0].at, 1), "to_s": round(span[-1].at, 1),
+                     "rss_mb": [round(v, 1) for v in rss], "fds": [round(v) for v in fds],
+                     "rss_growth": round(rss[1] / rss[0] - 1, 3),
+                     "fd_growth": round(fds[1] / fds[0] - 1, 3)}
     return out
 
 
