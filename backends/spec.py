@@ -117,6 +117,11 @@ class DnsTarget:
         return cls(name.rstrip("."), int(port), server, server_port)
 
 
+def _check_discover(value: str) -> str:
+    DnsTarget.parse(value)  # a ValueError names the field
+    return value
+
+
 class BackendSpec(BaseModel):
     """One backend: reached by ``url``, or spawned from a ``spawn`` table."""
 
@@ -127,7 +132,7 @@ class BackendSpec(BaseModel):
     spawn: SpawnSpec | None = None
     # dns://NAME:PORT (or dns://SERVER/NAME:PORT): one backend per address it resolves to
     # (backends.discovery), re-resolved every [health] discover_interval.
-    discover: str | None = None
+    discover: Annotated[str, AfterValidator(_check_discover)] | None = None
     group: Name = "stable"
     api_key: Secret | None = Field(
         default=None, description="sent upstream as 'Authorization: Bearer ...'"
@@ -162,8 +167,6 @@ class BackendSpec(BaseModel):
     def _url_or_spawn(self) -> BackendSpec:
         if sum(x is not None for x in (self.url, self.spawn, self.discover)) != 1:
             raise ValueError("give 'url', 'discover' or a [backends.spawn] table (exactly one)")
-        if self.discover is not None:
-            DnsTarget.parse(self.discover)
         return self
 
     @property

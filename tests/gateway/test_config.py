@@ -124,6 +124,20 @@ def test_a_backend_is_either_url_or_spawn() -> None:
     ]
 
 
+def test_a_bad_discover_name_is_reported_at_its_key() -> None:
+    found = problems({"backends": [
+        {"name": "a", "discover": "dns://vllm-headless.ns.svc.cluster.local"},
+        {"name": "b", "discover": "http://h:1"},
+        {"name": "c", "discover": "dns://not-an-address/vllm:8000"},
+        {"name": "d", "discover": "dns://127.0.0.1:5353/vllm.test:8000"},
+    ]})
+    assert found == [
+        "backends.0.discover: needs a name and a port: dns://NAME:PORT",
+        "backends.1.discover: must be dns://NAME:PORT or dns://SERVER[:PORT]/NAME:PORT",
+        "backends.2.discover: 'not-an-address' does not appear to be an IPv4 or IPv6 address",
+    ]
+
+
 def test_workers_default_to_one_per_core_up_to_the_cap() -> None:
     cores = len(os.sched_getaffinity(0))
     default = config()
