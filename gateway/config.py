@@ -129,6 +129,7 @@ class GatewaySection(Section):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     access_log: bool = Field(default=True, description="one log line per request (info)")
+    grafana_url: str | None = None  # the status page links to it when set
     # "auto": one serving process per core (up to AUTO_WORKERS_CAP), all behind one port.
     workers: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
 
@@ -277,6 +278,17 @@ class CanarySection(Section):
     rollout: RolloutSection = RolloutSection()
 
 
+class TracingSection(Section):
+    """OpenTelemetry spans (the optional extra ``vllm-gateway[otel]``); off costs nothing."""
+
+    enabled: bool = False
+    # OTLP/HTTP traces URL; unset: the exporter's default or OTEL_EXPORTER_OTLP_* variables.
+    endpoint: str | None = None
+    service_name: str = "vllm-gateway"
+    sample_ratio: float = Field(default=1.0, ge=0, le=1, description="of requests without a "
+                                "sampled parent")
+
+
 class Config(Section):
     gateway: GatewaySection = GatewaySection()
     upstream: UpstreamSection = UpstreamSection()
@@ -292,6 +304,7 @@ class Config(Section):
     limits: LimitsSection = LimitsSection()
     accounting: AccountingSection = AccountingSection()
     queue: QueueSection = QueueSection()
+    tracing: TracingSection = TracingSection()
     backends: tuple[BackendSpec, ...]
 
     @property
