@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gateway import __version__
 from gateway.config import CONFIG_ENV, Config, ConfigError, load
 from gateway.errors import EXIT_CONFIG
 from gateway.observability import logs
@@ -17,30 +19,37 @@ if TYPE_CHECKING:  # argparse has no public name for it, and it is generic only 
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 log = logging.getLogger("gateway")
+LISTEN_ENV = "VGW_GATEWAY__LISTEN"
 
 
-def _load_or_exit(path: str) -> Config:
+def _load_or_exit(path: str, listen: str | None = None) -> Config:
+    """The config with the environment's overrides; ``--listen`` is one more, on top, which
+    the serving processes inherit (as ``VGW_GATEWAY__LISTEN``)."""
+    if listen is not None:
+        os.environ[LISTEN_ENV] = listen
     try:
         return load(path)
     except ConfigError as exc:
         for problem in exc.problems:
+            if listen is not None and problem.startswith(LISTEN_ENV + ":"):
+                problem = "--listen" + problem.removeprefix(LISTEN_ENV)
             print(problem, file=sys.stderr)
         raise SystemExit(EXIT_CONFIG) from None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
     import uvicorn
 
     from gateway import workers
     from gateway.errors import StreamAborted
 
-    config = _load_or_exit(args.config)
+    config = _load_or_exit(args.config, args.listen)
     logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
     if not config.gateway.api_keys and not config.keys:
         log.warning("no [[keys]] or [gateway] api_keys configured: the gateway is open to "
                     "any client")
+    if config.gateway.admin_key is None:
+        log.warning("no [gateway] admin_key: the admin API answers loopback clients only")
     path = str(Path(args.config).resolve())
     processes = config.gateway.processes
     if processes > 1:
@@ -97,16 +106,16 @@ def _sim(args: argparse.Namespace) -> int:
 def _admin(args: argparse.Namespace) -> int:
     from gateway.admin import client as admin_cli
 
-    config = _load_or_exit(args.config)
+    target = admin_cli.Target.of(args, lambda: _load_or_exit(args.config))
     if args.command == "status":
-        return admin_cli.status(config, args)
+        return admin_cli.status(target, args)
     if args.command == "drain":
-        return admin_cli.drain(config, args)
+        return admin_cli.drain(target, args)
     if args.command == "canary":
-        return admin_cli.canary(config, args)
+        return admin_cli.canary(target, args)
     if args.command == "reload":
-        return admin_cli.reload(config, args)
-    return admin_cli.act(config, args)
+        return admin_cli.reload(target, args)
+    return admin_cli.act(target, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,10 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vllm-gateway",
         description="A streaming, load-balancing OpenAI gateway in front of vLLM backends.",
     )
+    parser.add_argument("--version", action="version", version=f"vllm-gateway {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     config = argparse.ArgumentParser(add_help=False)
-    config.add_argument("--config", default="config.toml", help="default: ./config.toml")
-    sub.add_parser("serve", parents=[config], help="run the gateway").set_defaults(func=_serve)
+    config.add_argument("--config", default="config.toml",
+                        help="default: ./config.toml; any key can be set over it from the "
+                             "environment as VGW_SECTION__KEY (e.g. VGW_REDIS__URL)")
+    serve = sub.add_parser("serve", parents=[config], help="run the gateway")
+    serve.add_argument("--listen", metavar="HOST:PORT",
+                       help="over [gateway] listen and VGW_GATEWAY__LISTEN")
+    serve.set_defaults(func=_serve)
     sub.add_parser("check", parents=[config],
                    help="validate the config; exit 2 listing every problem"
                    ).set_defaults(func=_check)
@@ -128,8 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _admin_commands(sub: Subparsers, config: argparse.ArgumentParser) -> None:
     """The verbs that talk to a running gateway's admin API."""
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--url", help="a gateway's base URL (or VGW_ADMIN_URL); default: "
+                        "[gateway] listen of --config")
+    remote.add_argument("--admin-key", help="(or VGW_ADMIN_KEY, which keeps it out of the "
+                        "process list); default: [gateway] admin_key of --config")
+
     def verb(name: str, text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[config], help=text)
+        p = sub.add_parser(name, parents=[config, remote], help=text)
         p.set_defaults(func=_admin)
         return p
 

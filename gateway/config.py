@@ -1,6 +1,8 @@
 """config.toml, read with tomllib and validated into frozen objects.
 
-Every problem is reported at once as ``dotted.key.path: message``.
+Every problem is reported at once as ``dotted.key.path: message``; ``load`` adds where the
+key was set (``file:line`` or the ``VGW_...`` variable) and applies the environment's
+overrides (gateway.config_source).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import enum
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,6 +29,7 @@ from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
 from gateway.config_checks import duplicate_keys, duplicate_names, duplicate_ports
+from gateway.config_source import Where, apply_env
 from gateway.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
@@ -374,14 +378,26 @@ def parse(raw: dict[str, Any]) -> Config:
     return config
 
 
-def load(path: str | Path) -> Config:
+def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    """The config in ``path`` with the ``VGW_SECTION__KEY`` variables of ``environ`` (the
+    process's by default) over it; each problem names its file line or variable."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        raw = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError([f"{path}: file not found"]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: cannot read: {exc}"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
-    return parse(raw)
+    origins, problems = apply_env(raw, os.environ if environ is None else environ)
+    where = Where(str(path), text, origins)
+    config = None
+    try:
+        config = parse(raw)
+    except ConfigError as exc:
+        problems.extend(where(p) for p in exc.problems)
+    if problems or config is None:
+        raise ConfigError(problems)
+    return config

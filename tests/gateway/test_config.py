@@ -100,8 +100,8 @@ def test_cli_exits_2_listing_problems(tmp_path: Path, verb: str) -> None:
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
-        "gateway.listen: must be HOST:PORT",
-        "backends.0.url: must be an http:// or https:// URL",
+        f"{path}:2: gateway.listen: must be HOST:PORT",
+        f"{path}:5: backends.0.url: must be an http:// or https:// URL",
     ]
 
 
