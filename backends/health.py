@@ -60,10 +60,26 @@ class HttpProbe:
             await self._session_.close()
             self._session_ = None
 
+    @staticmethod
+    def _headers(backend: Backend) -> dict[str, str]:
+        if backend.spec.api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {backend.spec.api_key.get_secret_value()}"}
+
+    async def version(self, backend: Backend) -> str | None:
+        """The backend's ``GET /version`` (vLLM's version), or None when it does not say."""
+        try:
+            async with self.session.get(backend.url + "/version", headers=self._headers(backend),
+                                        timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return None
+                version = orjson.loads(await resp.read()).get("version")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        return version[:64] if isinstance(version, str) else None
+
     async def __call__(self, backend: Backend) -> ProbeResult:
-        headers = {}
-        if backend.spec.api_key is not None:
-            headers["Authorization"] = f"Bearer {backend.spec.api_key.get_secret_value()}"
+        headers = self._headers(backend)
         try:
             async with self.session.get(
                 backend.url + "/health", headers=headers, timeout=self._timeout

@@ -6,9 +6,11 @@ imports this module except the CLI.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
+import time
 from importlib import resources
 
 import orjson
@@ -40,6 +42,7 @@ PROXIED = frozenset({
     "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/pooling", "/classify",
     "/v1/audio/transcriptions", "/v1/audio/translations",
 })
+VERSIONS_TTL = 5.0  # seconds /version keeps the backends' answers
 STORED = "/v1/responses/"  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
 
 
@@ -49,6 +52,7 @@ class GatewayApp:
     def __init__(self, config: Config, parts: Parts | None = None,
                  config_path: str | None = None) -> None:
         self.parts = parts = parts or build(config, config_path or os.environ.get(CONFIG_ENV))
+        self._versions: tuple[float, dict[str, str | None]] = (float("-inf"), {})
         operators = parts.operators
         self._other = Starlette(
             routes=[Route("/v1/models", self._models, methods=["GET"]),
@@ -112,7 +116,16 @@ class GatewayApp:
         return Response(status_code=200 if self.parts.pool.ready else 503)
 
     async def _version(self, request: Request) -> Response:
-        return JSONResponse({"version": __version__})
+        """The gateway's version and, by backend name, the vLLM version each one reports
+        (asked all at once, within the probe timeout, at most every few seconds however often
+        clients ask; null when it does not answer)."""
+        at, versions = self._versions
+        if time.monotonic() - at > VERSIONS_TTL:
+            backends = self.parts.pool.backends
+            found = await asyncio.gather(*(self.parts.probe.version(b) for b in backends))
+            versions = {b.name: v for b, v in zip(backends, found, strict=True)}
+            self._versions = (time.monotonic(), versions)
+        return JSONResponse({"version": __version__, "backends": versions})
 
     async def _keys(self, request: Request) -> Response:
         """Each key's settings (never the key itself) and what it used over the window."""
