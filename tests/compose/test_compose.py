@@ -1,6 +1,7 @@
 """The compose stack, validated without a container engine: Debian's docker-compose parses
-it, promtool checks Prometheus' config and the SLO alert rules, and the Grafana dashboard
-and the alerts only use metrics the gateway exports."""
+it (and the gateway's config file passes ``check`` under the environment it renders, with an
+admin key and without), promtool checks Prometheus' config and the SLO alert rules, and the
+Grafana dashboard and the alerts only use metrics the gateway exports."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml  # type: ignore[import-untyped]
@@ -41,19 +44,59 @@ def referenced(text: str) -> set[str]:
     return set(METRIC.findall(text))
 
 
-def test_docker_compose_parses_the_stack() -> None:
-    run = subprocess.run([tool("docker-compose"), "-f", str(COMPOSE / "docker-compose.yml"),
-                          "config"], capture_output=True, text=True, timeout=60,
-                         env={"PATH": "/usr/bin:/bin", "MODEL_DIR": "/models/x"})
+def render(**env: str) -> subprocess.CompletedProcess[str]:
+    """``docker-compose config`` with only ``env`` set, as a shell with nothing exported."""
+    return subprocess.run([tool("docker-compose"), "-f", str(COMPOSE / "docker-compose.yml"),
+                           "config"], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **env})
+
+
+def stack(**env: str) -> dict[str, Any]:
+    run = render(**env)
     assert run.returncode == 0, run.stderr
-    stack = yaml.safe_load(run.stdout)
-    assert set(stack["services"]) == {"gateway", "redis", "vllm-a", "vllm-b", "prometheus",
-                                      "grafana"}
+    rendered: dict[str, Any] = yaml.safe_load(run.stdout)
+    return rendered
+
+
+def test_docker_compose_parses_the_stack() -> None:
+    assert "version" not in yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    services = stack(MODEL_DIR="/models/x")["services"]
+    assert set(services) == {"gateway", "redis", "vllm-a", "vllm-b", "prometheus", "grafana"}
     for name, gpu in (("vllm-a", "0"), ("vllm-b", "1")):
-        devices = stack["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["device_ids"] == [gpu] and "gpu" in devices[0]["capabilities"]
-        assert "/models/x:/models:ro" in stack["services"][name]["volumes"]
-    assert stack["services"]["gateway"]["build"]["dockerfile"] == "Dockerfile"
+        assert "/models/x:/models:ro" in services[name]["volumes"]
+    assert services["gateway"]["build"]["dockerfile"] == "Dockerfile"
+
+
+def test_the_stack_refuses_to_start_without_a_model_dir() -> None:
+    run = render()  # else an empty ./models: vLLM would fail on each of its restarts
+    assert run.returncode != 0 and "set MODEL_DIR" in run.stderr
+
+
+def test_a_config_error_cannot_restart_the_gateway_forever() -> None:
+    services = stack(MODEL_DIR="/m")["services"]
+    policy = re.fullmatch(r"on-failure:(\d+)", services["gateway"]["restart"])
+    assert policy is not None and 1 <= int(policy[1]) <= 10  # exit 2 gives up, a crash retries
+    assert {services[s]["restart"] for s in services if s != "gateway"} == {"unless-stopped"}
+
+
+@pytest.mark.parametrize("key", [None, "s3cret"])
+def test_the_admin_key_is_optional_and_reaches_the_gateway_by_its_variable(
+        key: str | None) -> None:
+    host = {"MODEL_DIR": "/m"} | ({} if key is None else {"VGW_ADMIN_KEY": key})
+    environ = {k: str(v) for k, v in stack(**host)["services"]["gateway"]["environment"].items()}
+    assert environ == {"VGW_GATEWAY__ADMIN_KEY": key or ""}
+    # The container's own view: its config file under only the variables compose passes it.
+    done = subprocess.run([sys.executable, "-m", "gateway", "check", "--config",
+                           str(COMPOSE / "gateway.toml")], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env={"PATH": "/usr/bin:/bin", **environ})
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = load(COMPOSE / "gateway.toml", environ)
+    secret = config.gateway.admin_key
+    assert (None if secret is None else secret.get_secret_value()) == key
+    assert [b.name for b in config.backends] == ["vllm-a", "vllm-b"]
+    assert config.redis.url == "redis://redis:6379/0"
 
 
 def test_promtool_accepts_the_config_and_the_slo_rules() -> None:
@@ -81,13 +124,6 @@ def test_dashboard_and_alerts_use_only_exported_metrics() -> None:
                                   "prometheus.yml").read_text())
     uids = {p["datasource"]["uid"] for p in dashboard["panels"]}
     assert uids == {provisioned["datasources"][0]["uid"]}
-
-
-def test_the_stack_config_is_a_valid_gateway_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VGW_ADMIN_KEY", "x")
-    config = load(COMPOSE / "gateway.toml")
-    assert [b.name for b in config.backends] == ["vllm-a", "vllm-b"]
-    assert config.redis.url == "redis://redis:6379/0"
 
 
 def test_the_image_installs_the_package_the_readme_installs() -> None:
