@@ -7,10 +7,10 @@ overrides (gateway.config_source).
 
 from __future__ import annotations
 
-import enum
 import os
 import tomllib
 from collections.abc import Mapping
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -30,6 +30,13 @@ from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
 from gateway.config_checks import duplicate_keys, duplicate_names, duplicate_ports
 from gateway.config_source import Where, apply_env
+from gateway.config_values import (
+    SessionFrom,
+    SessionSource,
+    check_listen,
+    check_redis_url,
+    session_source,
+)
 from gateway.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
@@ -46,63 +53,9 @@ class ConfigError(Exception):
         self.problems = problems
 
 
-def _check_listen(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError("must be HOST:PORT")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("port must be 1-65535")
-    return value
-
-
-class SessionFrom(enum.StrEnum):
-    HEADER = "header"
-    BODY = "body"
-
-
-class SessionSource:
-    """Where a session key is read: a request header, or a top-level field of the body."""
-
-    __slots__ = ("header", "kind", "name")
-
-    def __init__(self, kind: SessionFrom, name: str) -> None:
-        self.kind = kind
-        self.name = name.lower() if kind is SessionFrom.HEADER else name
-        self.header = self.name.encode("latin-1") if kind is SessionFrom.HEADER else b""
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SessionSource) and (self.kind, self.name) == (
-            other.kind, other.name)
-
-    def __hash__(self) -> int:
-        return hash((self.kind, self.name))
-
-    def __repr__(self) -> str:
-        return f"{self.kind}:{self.name}"
-
-
-def _session_source(value: object) -> SessionSource:
-    if isinstance(value, SessionSource):
-        return value
-    if not isinstance(value, str):
-        raise ValueError("must be a string, 'header:NAME' or 'body:FIELD'")
-    kind, sep, name = value.partition(":")
-    if not sep or kind not in tuple(SessionFrom) or not name:
-        raise ValueError("must be 'header:NAME' or 'body:FIELD'")
-    if kind == SessionFrom.HEADER and not name.isascii():
-        raise ValueError("a header name must be ASCII")
-    return SessionSource(SessionFrom(kind), name)
-
-
-def _check_redis_url(value: str) -> str:
-    if value != "embedded" and not value.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError("must be 'embedded' or a redis://, rediss:// or unix:// URL")
-    return value
-
-
-Listen = Annotated[str, AfterValidator(_check_listen)]
-SessionKey = Annotated[SessionSource, PlainValidator(_session_source)]
-RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
+Listen = Annotated[str, AfterValidator(check_listen)]
+SessionKey = Annotated[SessionSource, PlainValidator(session_source)]
+RedisUrl = Annotated[str, AfterValidator(check_redis_url)]
 
 
 
@@ -332,7 +285,8 @@ def _message(error: Any) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def _group_problems(config: Config) -> list[str]:
+def group_problems(config: Config) -> list[str]:
+    """Groups named by the canary and [[models]] that no backend is in; models twice."""
     groups = {b.group for b in config.backends}
     problems = []
     canary = config.canary
@@ -352,6 +306,18 @@ def _group_problems(config: Config) -> list[str]:
     return problems
 
 
+def setting_problems(config: Config) -> list[str]:
+    """Settings that are valid alone but not together, or not in this installation."""
+    problems = []
+    if config.upstream.client == "httpx" and config.upstream.max_connections_per_backend:
+        problems.append("upstream.max_connections_per_backend: the httpx client has no "
+                        "per-backend cap; use client = \"aiohttp\" (the default) or set 0")
+    if config.tracing.enabled and not find_spec("opentelemetry.sdk"):
+        problems.append("tracing.enabled: needs the otel extra: pip install "
+                        "'vllm-gateway[otel]'")
+    return problems
+
+
 def parse(raw: dict[str, Any]) -> Config:
     problems: list[str] = []
     config = None
@@ -366,11 +332,8 @@ def parse(raw: dict[str, Any]) -> Config:
     if config is not None:
         problems.extend(duplicate_ports(config.backends))
         problems.extend(duplicate_keys(config.keys, config.gateway.api_keys))
-        problems.extend(_group_problems(config))
-    if (config is not None and config.upstream.client == "httpx"
-            and config.upstream.max_connections_per_backend):
-        problems.append("upstream.max_connections_per_backend: the httpx client has no "
-                        "per-backend cap; use client = \"aiohttp\" (the default) or set 0")
+        problems.extend(group_problems(config))
+        problems.extend(setting_problems(config))
     if raw.get("backends") == []:
         problems.append("backends: at least one backend is required")
     if problems or config is None:

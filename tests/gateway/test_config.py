@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import AUTO_WORKERS_CAP, ConfigError, SessionFrom, load, parse
+from gateway.config import AUTO_WORKERS_CAP, ConfigError, load, parse
+from gateway.config_values import SessionFrom
 from tests.factories import config, raw_config
 
 REPO = Path(__file__).resolve().parents[2]
