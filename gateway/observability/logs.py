@@ -43,12 +43,25 @@ class JsonFormatter(logging.Formatter):
             line.update(fields)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(line, default=str).decode()
+        return json_line(line)
 
 
 # What could start a forged line or rewrite a terminal: C0 controls, DEL, C1 controls
 # (ANSI's CSI among them) and Unicode's line and paragraph separators.
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# What JSON keeps raw inside a string but a line reader may split on (Python's splitlines
+# does on NEL and the separators).
+SPLITS = re.compile("[\x7f-\x9f\u2028\u2029]")
+# What makes a text line's field value ambiguous unless quoted: a space or '=' would start a
+# field of its own, a quote or backslash would read as quoting.
+QUOTED = re.compile('[\\s"=\\\\\x00-\x1f\x7f-\x9f\u2028\u2029]')
+
+
+def json_line(line: dict[str, Any]) -> str:
+    text = orjson.dumps(line, default=str).decode()
+    if SPLITS.search(text):  # only ever inside a string: its \uXXXX escape is the same text
+        text = SPLITS.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text
 
 
 def escape(text: str) -> str:
@@ -58,9 +71,18 @@ def escape(text: str) -> str:
     return CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
+def field(text: str) -> str:
+    """A field's value in a text line, logfmt's way: as it is when plain, else quoted with
+    quotes and backslashes escaped, so a client's value cannot make fields of its own."""
+    if text and not QUOTED.search(text):
+        return text
+    return '"' + escape(text.replace("\\", "\\\\").replace('"', '\\"')) + '"'
+
+
 class TextFormatter(logging.Formatter):
-    """One line per record: the message and every field escaped (clients put values in
-    both: a model name, a path), then a traceback when there is one."""
+    """One line per record: the message escaped and every field as ``field`` writes it
+    (clients put values in both: a model name, a path, a user agent), then a traceback
+    when there is one."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
@@ -71,7 +93,7 @@ class TextFormatter(logging.Formatter):
         text = self.formatMessage(record)
         fields = getattr(record, "fields", None)
         if fields:
-            text += " " + " ".join(f"{k}={escape(str(v))}" for k, v in fields.items()
+            text += " " + " ".join(f"{k}={field(str(v))}" for k, v in fields.items()
                                    if v is not None)
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
@@ -106,7 +128,7 @@ class JsonLines:
             self._second, self._stamp = second, timestamp(second)[:-4]
         line = {"ts": f"{self._stamp}{int(now * 1000) % 1000:03d}Z", **self._head,
                 "msg": msg, **fields}
-        self._lines.append(orjson.dumps(line, default=str).decode())
+        self._lines.append(json_line(line))
         if len(self._lines) == 1:
             asyncio.get_running_loop().call_soon(self.flush)
 

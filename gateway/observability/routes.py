@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -20,10 +23,39 @@ Handler = Callable[[Request], Awaitable[Response]]
 PAGE = Path(__file__).parent / "dashboard.html"
 
 
+def started(pid: int) -> float:
+    """When process ``pid`` started, wall clock (Linux's /proc; elsewhere, now). A worker
+    asks of its parent: the gateway is as old as its control process."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in
+                    Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class About:
+    """The gateway itself, as the status page's header shows it."""
+
+    version: str = ""
+    started: float = 0.0  # wall clock
+    grafana_url: str | None = None
+
+    def data(self, now: float) -> dict[str, object]:
+        grafana = self.grafana_url
+        if grafana is not None:  # a user:password@ in it is not shown, nor linked
+            parts = urlsplit(grafana)
+            grafana = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        return {"version": self.version, "pid": os.getpid(),
+                "uptime_s": round(max(0.0, now - self.started), 1), "grafana_url": grafana}
+
+
 class OpsRoutes:
     def __init__(self, pool: BackendPool, status: Status, metrics: Metrics,
                  guard: Callable[[Handler], Handler], allowed: Callable[[Request], bool],
-                 public: bool = True) -> None:
+                 public: bool = True, about: About | None = None) -> None:
         """``public``: /metrics, /dashboard and /readyz's detail open to anyone; else behind
         ``guard`` (the admin key), and /readyz answers its status code alone to others."""
         self._pool = pool
@@ -32,6 +64,7 @@ class OpsRoutes:
         self._guard = guard
         self._allowed = allowed
         self._public = public
+        self._about = about or About(started=time.time())
         self._page = PAGE.read_text(encoding="utf-8")
 
     def routes(self) -> list[Route]:
@@ -63,10 +96,12 @@ class OpsRoutes:
         return HTMLResponse(self._page, headers={"cache-control": "no-store"})
 
     async def dashboard_data(self, request: Request) -> Response:
-        return JSONResponse(self._status.data())
+        return JSONResponse({"gateway": self._about.data(time.time()), **self._status.data()})
 
     async def refresh(self, every: float = 1.0) -> None:
-        """Keep the gauges fresh (in multiprocess mode, other workers' come from here)."""
+        """Keep the gauges fresh (in multiprocess mode, other workers' come from here), and
+        sample the trends when their step comes."""
         while True:
             self._status.refresh()
+            self._status.trends.tick(time.monotonic(), time.time())
             await asyncio.sleep(every)

@@ -11,6 +11,7 @@ from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
 from gateway.canary.rollout import Canary
 from gateway.metrics import Metrics
+from gateway.observability.trends import Trends, reader
 from gateway.resilience.breaker import STATE_VALUE, Breakers
 from gateway.resilience.degraded import Degraded
 from gateway.routing.pool import BackendPool
@@ -22,7 +23,7 @@ STATES = tuple(s.value for s in BackendState)
 class Status:
     def __init__(self, pool: BackendPool, breakers: Breakers, canary: Canary, router: Router,
                  degraded: Degraded, supervisors: Mapping[str, Supervisor],
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, trends: Trends | None = None) -> None:
         self._pool = pool
         self._breakers = breakers
         self._canary = canary
@@ -30,6 +31,7 @@ class Status:
         self._degraded = degraded
         self._supervisors = supervisors
         self._m = metrics
+        self.trends = trends or Trends(reader(metrics))
 
     def refresh(self) -> None:
         """Gauges that mirror state (cheap; at every scrape and once a second)."""
@@ -80,4 +82,5 @@ class Status:
                 "breaker": self._breakers.status(b.name), "last_probe": b.last_probe,
                 "models": sorted(b.models)})
         return {"backends": backends, "canary": self._canary.status(),
-                "degraded": list(self._degraded.recent), "time": time.time()}
+                "degraded": list(self._degraded.recent), "trends": self.trends.data(),
+                "time": time.time()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,40 @@ def test_load_that_other_clients_put_on_a_backend_steers_requests_away(
         assert asyncio.run(main()) == ["b"] * 6
     finally:
         gw.stop()
+
+
+# A user agent that tries everything: quotes and '=' to forge fields, a tab, NEL and the
+# line separator (raw bytes a header may carry; CR and LF end the header), and 10 KB.
+AGENT = (b'evil" status=500 backend=forged\t\xe2\x80\xa8FORGED1\xc2\x85FORGED2 '
+         + b"A" * 10_000)
+LOGFMT = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_hostile_user_agent_is_logged_cut_and_escaped(tmp_path: Path, pair: tuple[Sim, Sim],
+                                                        fmt: str) -> None:
+    gw = Gateway(tmp_path, f'log_format = "{fmt}"\n[health]\ninterval = 0.3\n'
+                 + backend_toml("a", pair[0].url), name=f"agent-{fmt}")
+    try:
+        wait_for(lambda: http_ok(gw.url + "/readyz"), 10, "ready")
+        reply = httpx.post(gw.url + CHAT, json=BODY, headers={"user-agent": AGENT})
+        assert reply.status_code == 200
+        rid = reply.headers["x-request-id"]
+        line = wait_for(lambda: next((ln for ln in gw.proc.output().splitlines()
+                                      if rid in ln), None), 10, "the access line")
+    finally:
+        gw.stop()
+    lines = gw.proc.output().splitlines()  # Python's splitlines splits on NEL and U+2028 too
+    assert not any(ln.startswith(("FORGED", "\x85", "\u2028")) for ln in lines)
+    assert sum(rid in ln for ln in lines) == 1
+    if fmt == "json":
+        fields = json.loads(line)
+        assert fields["user_agent"] == AGENT[:256].decode("latin-1")
+    else:
+        fields = {k: v for k, v in LOGFMT.findall(line.split(": request ", 1)[1])}
+        assert fields["user_agent"].startswith(
+            '"evil\\" status=500 backend=forged\\t\xe2\\x80\xa8FORGED1\xc2\\x85FORGED2 AAA')
+        assert fields["user_agent"].endswith('A"')
+        assert len(fields["user_agent"]) < 256 + 20  # cut, then a few escapes
+    assert fields["status"] in (200, "200") and fields["backend"] == "a"
+    assert fields["id"] == rid
