@@ -5,7 +5,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY backends ./backends
-RUN pip install . && useradd --system --uid 10001 gateway \
+RUN pip install '.[otel]' && useradd --system --uid 10001 gateway \
     && mkdir -p /app/data /app/logs && chown gateway /app/data /app/logs && chmod 700 /app/data
 # The embedded Redis keeps its pins here (redis.data_dir = "data/valkey"); compose uses Valkey.
 VOLUME /app/data

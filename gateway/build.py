@@ -8,6 +8,7 @@ and the app (``gateway.app``) only routes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from backends.backend import Backend
 from backends.health import HealthChecker, HttpProbe
 from backends.spec import BackendSpec
 from backends.supervisor import Supervisor
+from gateway import __version__
 from gateway.admin.backends import Admin
 from gateway.admin.canary import CanaryAdmin, Reload
 from gateway.admin.reload import Reloadable, Reloader
@@ -31,7 +33,8 @@ from gateway.control.role import SINGLE, Kind, Role
 from gateway.control.server import Workers
 from gateway.http.auth import Refusals
 from gateway.metrics import Metrics
-from gateway.observability.routes import OpsRoutes
+from gateway.observability import tracing
+from gateway.observability.routes import About, OpsRoutes, started
 from gateway.observability.status import Status
 from gateway.proxy import Proxy
 from gateway.resilience.breaker import Breakers, MetricsListener
@@ -167,7 +170,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     gate, ledger = tenants(config, link, keyring, metrics)
     queue = WaitQueue(config.queue, metrics, len(keyring.tenants))
     proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses,
-                  gate, queue, config.injects_usage)
+                  gate, queue, config.injects_usage, tracing.make(config.tracing))
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
 
@@ -212,6 +215,8 @@ def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Br
         reload = reload_all
     canary_admin = CanaryAdmin(canary, admin.guard, link.reload if link is not None else reload,
                                shared.canary_sync.publish if shared is not None else None)
+    gateway_pid = os.getppid() if link is not None else os.getpid()  # a worker: its control
     ops = OpsRoutes(pool, status, metrics, admin.guard, admin.allowed,
-                    config.gateway.public_metrics)
+                    config.gateway.public_metrics,
+                    About(__version__, started(gateway_pid), config.gateway.grafana_url))
     return Operators(admin, canary_admin, reloader, ops, reload, refusals)

@@ -65,6 +65,7 @@ class Record:
     outside_arm: bool = False  # its canary arm had no backend left: stable serves it
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
     admission: object = field(default=None, repr=False)  # what the key's limits lent it
+    trace: object = field(default=None, repr=False)  # its spans, when tracing is on
 
 
 class Policy(Protocol):

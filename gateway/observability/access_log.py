@@ -8,14 +8,27 @@ from typing import Any
 
 from gateway.metrics import Children, Metrics
 from gateway.observability.logs import JsonLines
+from gateway.observability.tracing import Tracing
 from gateway.types import Record
 
 log = logging.getLogger("gateway.access")
+AGENT_CHARS = 256  # of a client's User-Agent in its line
+
+
+def user_agent(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's User-Agent, cut to AGENT_CHARS (read once, when its line is written;
+    the formatters escape what could break a line)."""
+    for name, value in headers:
+        if name == b"user-agent":
+            return value[:AGENT_CHARS].decode("latin-1")
+    return None
 
 
 class RequestLog:
-    def __init__(self, metrics: Metrics, access_log: bool) -> None:
+    def __init__(self, metrics: Metrics, access_log: bool,
+                 tracing: Tracing | None = None) -> None:
         self._m = metrics
+        self._tracing = tracing
         self._log = access_log
         self._json: JsonLines | None = None
         self._checked = False
@@ -51,10 +64,15 @@ class RequestLog:
         if usage is not None:
             child(m.tokens, record.tenant, model, "prompt").inc(usage[0])
             child(m.tokens, record.tenant, model, "completion").inc(usage[1])
+        trace_id = None
+        if self._tracing is not None:
+            trace_id = self._tracing.done(record, status)
         if self._log and log.isEnabledFor(logging.INFO):
             self._line({
-                "id": request.request_id, "path": request.path, "model": request.model,
+                "id": request.request_id, "trace_id": trace_id, "path": request.path,
+                "model": request.model,
                 "stream": request.stream, "client": request.client,
+                "user_agent": user_agent(request.headers),
                 "key": record.tenant, "backend": name, "group": group, "status": status,
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 2),
                 "duration_ms": round(duration * 1000, 2),

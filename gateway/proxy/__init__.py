@@ -26,7 +26,6 @@ from gateway.errors import (
     RequestTimeout,
     ResponseUnavailable,
     UpstreamTimeout,
-    UpstreamUnavailable,
 )
 from gateway.http import media
 from gateway.http.asgi import (
@@ -37,10 +36,11 @@ from gateway.http.asgi import (
     send_error,
 )
 from gateway.http.deadline import Deadline
-from gateway.http.headers import upstream_request_headers
 from gateway.http.sink import Hangup
 from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
+from gateway.observability.tracing import Tracing
+from gateway.proxy.opener import Opener
 from gateway.proxy.parse import RequestParser
 from gateway.proxy.relay import Relay, header
 from gateway.resilience.attempt import Attempt, Failed, Next, judge, note_busy, retriable, settled
@@ -52,8 +52,8 @@ from gateway.routing.queue import WaitQueue
 from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.tenants.gate import TenantGate
-from gateway.types import Record, Request
-from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+from gateway.types import Record
+from gateway.upstream import Upstream, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
 
@@ -65,7 +65,7 @@ class Proxy:
         self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
         degraded: Degraded, metrics: Metrics, canary: Canary, arms: Arms,
         responses: ResponsePins, gate: TenantGate, queue: WaitQueue,
-        inject_usage: bool = False,
+        inject_usage: bool = False, tracing: Tracing | None = None,
     ) -> None:
         self._pool = pool
         self._gate = gate
@@ -74,13 +74,14 @@ class Proxy:
         self._canary = canary
         self._arms = arms
         self._tally = Tally(metrics, canary)
-        self._log = RequestLog(metrics, config.gateway.access_log)
+        self._log = RequestLog(metrics, config.gateway.access_log, tracing)
+        self._tracing = tracing
+        self._open = Opener(pool, upstream, responses, tracing)
         self._shadow = Shadow(upstream, router, pool, canary, metrics,
                               config.upstream.total_timeout)
         self._degraded = degraded
         self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
         self._metrics = metrics
-        self._upstream = upstream
         self._router = router
         self._budget = RetryBudget(config.upstream.retry_budget_ratio,
                                    config.upstream.retry_budget_floor)
@@ -216,7 +217,7 @@ class Proxy:
             self._hold(record)
             with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
-                reply = await self._open(ticket.backend, request, deadline)
+                reply = await self._open(ticket.backend, record, deadline)
                 outcome, step = self._judge(reply, ticket, record, tried, n)
                 match step:
                     case Next.RETRY:
@@ -328,6 +329,9 @@ class Proxy:
         outcome, step = judge(result, busy, retry)
         if settled(result):
             ticket.done(outcome, cause)
+        if self._tracing is not None:
+            self._tracing.answered(record, None if isinstance(result, Failed) else result,
+                                   step in (Next.RETRY, Next.FAIL))
         return outcome, step
 
     async def _exhausted(self, record: Record, send: Send, tried: list[Backend],
@@ -359,35 +363,6 @@ class Proxy:
             return False
         self._metrics.retries.labels(reason).inc()
         return True
-
-    async def _open(
-        self, backend: Backend, request: Request, deadline: Deadline
-    ) -> UpstreamResponse | GatewayError | None:
-        """Send the request: the reply; None when no connection could be made (another
-        backend may be tried); the error when it broke or no headers came in time."""
-        headers = upstream_request_headers(request.headers, backend, request.request_id,
-                                           request.forwarded_for)
-        body = self._pool.names.body_for(request, backend.spec.group)
-        try:
-            reply = await self._upstream.request(request.method, backend.url + request.path,
-                                                 headers, body)
-            if request.creates is not None and reply.status == 200:
-                await self._responses.record(request.creates, backend)
-            return reply
-        except ConnectFailed as exc:
-            log.warning("request %s: backend %s unreachable: %s", request.request_id,
-                        backend.name, exc)
-            return None
-        except UpstreamBroken as exc:
-            # The detail (the library's words, maybe the backend's bytes) is for the log only.
-            log.warning("request %s: backend %s failed before its response headers: %s",
-                        request.request_id, backend.name, exc)
-            return UpstreamUnavailable(f"backend {backend.name} failed before its response "
-                                       "headers")
-        except asyncio.CancelledError:
-            if not deadline.absorb():
-                raise
-            return UpstreamTimeout(f"backend {backend.name} sent no response headers in time")
 
 
 async def _admitted(admitting: asyncio.Task[None], ticket: Ticket) -> None:
