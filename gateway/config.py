@@ -198,6 +198,17 @@ class ModelRoute(Section):
     name: str = Field(min_length=1)
     # group -> the served model name in that group; a group not listed serves it as `name`
     groups: dict[str, str] = Field(default_factory=dict)
+    # A smaller model (served by other backends) that answers when none of this one's can.
+    fallback: str | None = Field(default=None, min_length=1)
+
+
+class ResilienceSection(Section):
+    """A stream whose backend fails after it began goes on elsewhere (gateway.proxy.resume)."""
+
+    continue_streams: Literal["off", "deterministic", "always"] = "deterministic"
+    max_continuations: int = Field(default=2, ge=1, le=10, description="per stream")
+    # What one stream keeps (by reference) to continue from; a longer one is not continued.
+    continue_max_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 
 
 class RolloutSection(Section):
@@ -255,6 +266,7 @@ class Config(Section):
     supervisor: SupervisorSettings = SupervisorSettings()
     breaker: BreakerSection = BreakerSection()
     degraded: DegradedSection = DegradedSection()
+    resilience: ResilienceSection = ResilienceSection()
     canary: CanarySection = CanarySection()
     models: tuple[ModelRoute, ...] = ()
     keys: tuple[KeySpec, ...] = ()
@@ -303,6 +315,8 @@ def group_problems(config: Config) -> list[str]:
         seen.add(route.name)
         problems.extend(f"models.{i}.groups.{g}: no backend is in group {g!r}"
                         for g in route.groups if g not in groups)
+        if route.fallback == route.name:
+            problems.append(f"models.{i}.fallback: must name another model")
     return problems
 
 

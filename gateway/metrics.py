@@ -104,6 +104,10 @@ class Metrics:
             "gateway_stream_failures_total", "Replies that failed after their headers went out: "
             "dropped (connection lost), stalled (idle timeout), inband (error event in a 200)",
             ("cause",))
+        self.stream_continuations = counter(
+            "gateway_stream_continuations_total", "Broken streams and what became of them: "
+            "completed (another backend finished the answer), failed (the continuation did "
+            "not), declined (not continuable: see README)", ("outcome",))
         # Tenants: the key's name (bounded to the configured names), never the key.
         self.tokens = counter(
             "gateway_tokens_total", "Tokens vLLM reported (usage), by key name, model and kind "

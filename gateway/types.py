@@ -43,6 +43,7 @@ class StreamCause(enum.StrEnum):
     INBAND = "inband"  # the backend reported an error inside a 200 stream
     DROPPED = "dropped"  # the connection broke
     STALLED = "stalled"  # no byte within the idle timeout
+    RESUMED = "resumed"  # broke, and its continuation elsewhere did not finish it either
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import orjson
 
 from backends.asgi import Receive, Scope, Send, cancel_on_disconnect, read_body
 from backends.sim import more, replies, validate
-from backends.sim.bodies import Completion, prompt_bytes
+from backends.sim.bodies import Completion, first_token, prompt_bytes
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import PrefixCache
 from backends.sim.replies import error_body
@@ -195,7 +195,8 @@ class SimApp:
         self.prefix.observe(prompt)
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or opts.tokens
         completion = Completion(chat=scope["path"] == validate.CHAT, model=str(body["model"]),
-                                prompt_tokens=len(prompt), n_tokens=int(n_tokens))
+                                prompt_tokens=len(prompt), n_tokens=int(n_tokens),
+                                first=first_token(body))
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         watcher = cancel_on_disconnect(receive)
         try:

@@ -8,6 +8,7 @@ the last token's chunk carries ``finish_reason`` and ``stop_reason``, and the
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
@@ -19,6 +20,21 @@ from backends.sim.replies import fingerprint
 
 def token_text(i: int) -> str:
     return f" tok{i}"
+
+
+_LAST_TOKEN = re.compile(r" tok(\d+)$")
+
+
+def first_token(body: dict[str, Any]) -> int:
+    """Where generation starts: after the last token of a partial answer it is asked to
+    continue (a chat's final assistant message with ``continue_final_message``, or the end of
+    a completion's prompt), as vLLM continues the text it is given; else at 0."""
+    text: object = body.get("prompt", "")
+    if "messages" in body:
+        messages = body.get("messages") or [{}]
+        text = messages[-1].get("content", "") if body.get("continue_final_message") else ""
+    found = _LAST_TOKEN.search(text) if isinstance(text, str) else None
+    return int(found.group(1)) + 1 if found else 0
 
 
 def prompt_bytes(path: str, body: dict[str, Any]) -> bytes:
@@ -40,7 +56,9 @@ def prompt_bytes(path: str, body: dict[str, Any]) -> bytes:
 class Completion:
     """One completion's chunks and final body; ``chat`` picks the wire shape."""
 
-    def __init__(self, chat: bool, model: str, prompt_tokens: int, n_tokens: int) -> None:
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, n_tokens: int,
+                 first: int = 0) -> None:
+        self.first = first  # the first token's number (a continuation starts later)
         self.chat = chat
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -67,11 +85,11 @@ class Completion:
         return self._event([choice], prompt_token_ids=None, prompt_text=None)
 
     def token_chunk(self, i: int) -> bytes:
-        return self._pre + token_text(i).encode() + self._post
+        return self._pre + token_text(self.first + i).encode() + self._post
 
     def last_chunk(self, usage_follows: bool) -> bytes:
         """The last token's event: the finish reason, and the fingerprint unless usage follows."""
-        text = token_text(self.n_tokens - 1)
+        text = token_text(self.first + self.n_tokens - 1)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice |= {"delta": {"content": text}, "logprobs": None, "finish_reason": "length",
@@ -94,7 +112,7 @@ class Completion:
         }
 
     def whole(self) -> bytes:
-        text = "".join(token_text(i) for i in range(self.n_tokens))
+        text = "".join(token_text(self.first + i) for i in range(self.n_tokens))
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text, "refusal": None,

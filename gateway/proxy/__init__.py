@@ -43,6 +43,7 @@ from gateway.observability.tracing import Tracing
 from gateway.proxy.opener import Opener
 from gateway.proxy.parse import RequestParser
 from gateway.proxy.relay import Relay, header
+from gateway.proxy.resume import Resume
 from gateway.resilience.attempt import Attempt, Failed, Next, judge, note_busy, retriable, settled
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.degraded import Degraded
@@ -81,6 +82,9 @@ class Proxy:
                               config.upstream.total_timeout)
         self._degraded = degraded
         self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
+        if config.resilience.continue_streams != "off":
+            self._relay.resume = Resume(config.resilience, config.upstream, router, self._open,
+                                        self._relay, metrics, self._tally.attempt)
         self._metrics = metrics
         self._router = router
         self._budget = RetryBudget(config.upstream.retry_budget_ratio,

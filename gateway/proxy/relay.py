@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 from starlette.types import Send
 
@@ -61,7 +62,9 @@ class Tap:
     def __call__(self, chunk: bytes) -> None:
         now = self._deadline.last = self._loop.time()
         if not self.chunks:
-            self._record.first_byte = self._ticket.first_byte = now
+            self._ticket.first_byte = now
+            if self._record.first_byte is None:  # a continuation's is not the request's
+                self._record.first_byte = now
         self.chunks += 1
         self.before, self.last = self.last, chunk
         if self._stream and self.cause is None:
@@ -76,6 +79,17 @@ class Tap:
                 self.parts = None
 
 
+class Resumer(Protocol):
+    """Continues a broken stream elsewhere (``gateway.proxy.resume.Resume``)."""
+
+    room: int  # bytes of a stream kept to continue it
+
+    def wants(self, request: Request) -> bool: ...
+
+    async def __call__(self, record: Record, parts: list[bytes], failed: Ticket, send: Send,
+                       deadline: Deadline) -> bool: ...
+
+
 class Relay:
     """Sends one attempt's reply to the client and tells the ticket how the relay ended."""
 
@@ -85,6 +99,7 @@ class Relay:
         self._replies = replies
         self._cache_max = cache_max
         self._metrics = metrics
+        self.resume: Resumer | None = None  # continues broken streams (gateway.proxy.resume)
 
     def _rewrite(self, request: Request, backend: Backend,
                  headers: list[tuple[bytes, bytes]]) -> ModelRewrite | None:
@@ -115,24 +130,37 @@ class Relay:
             "headers": client_response_headers(resp.headers, backend, request.request_id,
                                                stream),
         })
-        # Kept for the reply cache: the chunks relayed anyway, by reference, up to the cap.
-        parts: list[bytes] | None = [] if resp.status == 200 and self._replies.wants(request) \
-            else None
+        # Kept for the reply cache, and to continue the stream should it break: the chunks
+        # relayed anyway, by reference, up to the cap.
+        resume = self.resume if stream and resp.status == 200 else None
+        resumable = resume is not None and resume.wants(request)
+        cached = resp.status == 200 and self._replies.wants(request)
+        parts: list[bytes] | None = [] if cached or resumable else None
+        room = max(resume.room, self._cache_max) if resume and resumable else self._cache_max
         cause, parts, tail = await self._chunks(resp, ticket, record, send, deadline, rewrite,
-                                                stream, parts)
+                                                stream, parts, room)
         if cause is None:
             # What a filter took out of the stream, else the tail the client got.
             record.usage = (rewrite.usage if rewrite is not None else None) or usage_of(tail)
+            if parts is not None and (not cached or (
+                    resumable and sum(map(len, parts)) > self._cache_max)):
+                parts = None  # kept to continue, not to cache
+        elif resumable and parts is not None and cause is not StreamCause.INBAND:
+            assert resume is not None
+            self._fail(ticket, record, cause)
+            if await resume(record, parts, ticket, send, deadline):
+                return
+            cause = StreamCause.RESUMED  # the error event, the failure already told
         await self._end(ticket, outcome, record, send, cause, parts, stream)
 
     async def _chunks(
         self, resp: UpstreamResponse, ticket: Ticket, record: Record, send: Send,
         deadline: Deadline, rewrite: Filter | None, stream: bool,
-        parts: list[bytes] | None,
+        parts: list[bytes] | None, room: int,
     ) -> tuple[StreamCause | None, list[bytes] | None, bytes]:
         """The per-chunk loop: why it ended early (None: the reply ended), the parts kept
-        for the cache (None once over the cap), and the reply's tail (its last chunks)."""
-        tap = Tap(ticket, record, deadline, stream, parts, self._cache_max)
+        (None once over ``room`` bytes), and the reply's tail (its last chunks)."""
+        tap = Tap(ticket, record, deadline, stream, parts, room)
         reuse = False
         try:
             pump = getattr(resp, "pump", None)
@@ -151,9 +179,25 @@ class Relay:
                 raise
             tap.cause = StreamCause.STALLED
         finally:
-            record.chunks, record.last_byte = tap.chunks, deadline.last
+            record.chunks, record.last_byte = record.chunks + tap.chunks, deadline.last
             await resp.aclose(reuse)
         return tap.cause, tap.parts, tap.before + tap.last
+
+    async def resumed(self, resp: UpstreamResponse, ticket: Ticket, record: Record, send: Send,
+                      deadline: Deadline, seam: Filter, parts: list[bytes], room: int,
+                      ) -> tuple[bool, list[bytes] | None]:
+        """A continuation's chunks relayed through ``seam`` into the client's stream: whether
+        it ended the stream, and the parts kept (the client's whole stream so far)."""
+        record.served_by = ticket.backend
+        cause, kept, _ = await self._chunks(resp, ticket, record, send, deadline, seam, True,
+                                            parts, room)
+        if cause is not None:
+            self._fail(ticket, record, cause)
+            return False, kept
+        ticket.done(Outcome.SUCCESS)
+        record.usage = seam.usage or record.usage
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True, kept
 
     @staticmethod
     async def _loop(resp: UpstreamResponse, send: Send, tap: Tap,
@@ -181,10 +225,10 @@ class Relay:
             ticket.done(outcome)
             if parts is not None:
                 self._replies.keep(record.request, parts, stream)
-        else:
+        elif cause is not StreamCause.RESUMED:
             self._fail(ticket, record, cause)
-        if cause in (StreamCause.DROPPED, StreamCause.STALLED):
-            detail = "failed" if cause is StreamCause.DROPPED else "stalled"
+        if cause in (StreamCause.DROPPED, StreamCause.STALLED, StreamCause.RESUMED):
+            detail = "stalled" if cause is StreamCause.STALLED else "failed"
             name = ticket.backend.name
             log.warning("request %s: backend %s %s mid-response", record.request.request_id, name,
                         detail)
