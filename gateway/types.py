@@ -67,6 +67,8 @@ class Record:
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
     admission: object = field(default=None, repr=False)  # what the key's limits lent it
     trace: object = field(default=None, repr=False)  # its spans, when tracing is on
+    allowed: frozenset[str] | None = None  # the models its key may use (None: any)
+    fallback_of: str | None = None  # the model it asked for, when a fallback answers it
 
 
 class Policy(Protocol):

@@ -234,16 +234,14 @@ class Proxy:
                         failure = reply if isinstance(reply, GatewayError) else None
                         break
                 assert reply is not None and not isinstance(reply, GatewayError)
-                if step is Next.DEGRADE and (found := await self._degraded.find(request)):
-                    await reply.aclose(reuse=False)
-                    await self._degraded.send(record, send, found,
-                                              f"backend {ticket.backend.name} answered "
-                                              f"{reply.status}")
+                if step is Next.DEGRADE and await self._rescue(
+                        record, send, deadline, f"backend {ticket.backend.name} answered "
+                        f"{reply.status}", reply):
                     return
                 deadline.stream(self._timeouts.idle_timeout, total)
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
-        await self._exhausted(record, send, tried[excluded:], failure)
+        await self._exhausted(record, send, deadline, tried[excluded:], failure)
 
     async def _place(self, record: Record, tried: list[Backend], arm: asyncio.Task[None] | None,
                      drawn: str | None) -> Ticket | None:
@@ -338,22 +336,44 @@ class Proxy:
                                    step in (Next.RETRY, Next.FAIL))
         return outcome, step
 
-    async def _exhausted(self, record: Record, send: Send, tried: list[Backend],
-                         failure: GatewayError | None) -> None:
-        """No attempt was relayed: an earlier reply, the error, or 503."""
-        model = record.request.model
+    async def _exhausted(self, record: Record, send: Send, deadline: Deadline,
+                         tried: list[Backend], failure: GatewayError | None) -> None:
+        """No attempt was relayed: an earlier reply, the fallback model, the static reply,
+        the error, or 503."""
+        model = record.fallback_of or record.request.model
         if not tried and not self._pool.known_model(model):
             raise ModelNotFound(f"The model `{model}` does not exist.")
         why = (failure.message if failure else
                f"no backend for model {model!r} could be reached" if tried else
                f"no healthy backend serves model {model!r}")
-        found = await self._degraded.find(record.request)
-        if found is not None:
-            await self._degraded.send(record, send, found, why)
-        elif failure is not None:
+        if await self._rescue(record, send, deadline, why):
+            return
+        if failure is not None:
             raise failure
+        await self._degraded.unavailable(record, send, why)
+
+    async def _rescue(self, record: Record, send: Send, deadline: Deadline, why: str,
+                      reply: UpstreamResponse | None = None) -> bool:
+        """An answer without the model's backends: a reply kept earlier, its fallback model
+        (``[[models]] fallback``), or the static reply; False when there is none."""
+        request, degraded = record.request, self._degraded
+        found = None if record.fallback_of else await degraded.find(request, static=False)
+        smaller = None if found else degraded.smaller(
+            record, self._pool.names.fallback(request.model))
+        if found is None and smaller is None:
+            model = record.fallback_of or request.model
+            found = await degraded.find(replace(request, model=model), cache=False)
+            if found is None:
+                return False
+        if reply is not None:
+            await reply.aclose(reuse=False)
+        if smaller is None:
+            assert found is not None
+            await degraded.send(record, send, found, why)
         else:
-            await self._degraded.unavailable(record, send, why)
+            degraded.fallback(record, smaller, why)
+            await self._attempts(record, send, deadline, None, None, [], None)
+        return True
 
     def _may_retry(self, record: Record, tried: list[Backend], attempt: int,
                    reason: str) -> bool:

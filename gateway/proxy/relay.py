@@ -36,6 +36,19 @@ INBAND_ERROR = b'data: {"error"'
 INBAND = len(INBAND_ERROR)
 
 
+FALLBACK = (b"x-gateway-degraded", b"fallback")
+
+
+def _headers(resp: UpstreamResponse, backend: Backend, record: Record, stream: bool,
+             length: int | None = None) -> list[tuple[bytes, bytes]]:
+    """The reply's headers for the client; a fallback model's reply says it is one."""
+    headers = client_response_headers(resp.headers, backend, record.request.request_id,
+                                      stream, length)
+    if record.fallback_of is not None:
+        headers.append(FALLBACK)
+    return headers
+
+
 def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
     """A header's value (``name`` in lower case), or b"" when absent."""
     return next((v for k, v in headers if k.lower() == name), b"")
@@ -127,8 +140,7 @@ class Relay:
         await send({
             "type": "http.response.start",
             "status": resp.status,
-            "headers": client_response_headers(resp.headers, backend, request.request_id,
-                                               stream),
+            "headers": _headers(resp, backend, record, stream),
         })
         # Kept for the reply cache, and to continue the stream should it break: the chunks
         # relayed anyway, by reference, up to the cap.
@@ -274,8 +286,7 @@ class Relay:
         await send({
             "type": "http.response.start",
             "status": resp.status,
-            "headers": client_response_headers(resp.headers, backend, request.request_id, False,
-                                               len(body)),
+            "headers": _headers(resp, backend, record, False, len(body)),
         })
         await send({"type": "http.response.body", "body": body, "more_body": False})
         record.chunks, record.last_byte = 1, loop.time()

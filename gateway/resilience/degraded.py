@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import orjson
 from starlette.types import Send
 
 from gateway.config import DegradedSection
@@ -39,13 +40,14 @@ class Degraded:
         self._counter = metrics.degraded
         self.recent: deque[dict[str, object]] = deque(maxlen=20)  # for the status page
 
-    async def find(self, request: Request) -> Fallback | None:
+    async def find(self, request: Request, cache: bool = True,
+                   static: bool = True) -> Fallback | None:
         """The best answer without a backend: a reply kept earlier, else the static one."""
-        body = await self.cache.lookup(request)
+        body = await self.cache.lookup(request) if cache else None
         if body is not None:
             return Fallback(body, "cache")
         message = self._settings.static_message
-        if message is not None and request.path in (CHAT, "/v1/completions"):
+        if static and message is not None and request.path in (CHAT, "/v1/completions"):
             return Fallback(static_body(request.path, request.model, message,
                                         request.request_id), "static")
         return None
@@ -67,6 +69,26 @@ class Degraded:
             headers.append(JSON)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    def smaller(record: Record, name: str | None) -> Request | None:
+        """The request for ``name``, the model's fallback, when its key may use it and no
+        fallback was tried already."""
+        if name is None or record.fallback_of or (
+                record.allowed is not None and name not in record.allowed):
+            return None
+        payload = {**record.request.payload, "model": name}
+        return replace(record.request, model=name, payload=payload, body=orjson.dumps(payload))
+
+    def fallback(self, record: Record, smaller: Request, why: str) -> None:
+        """The request goes to its model's fallback (``[[models]] fallback``) instead."""
+        asked = record.request.model
+        self._counter.labels("fallback").inc()
+        self._remember(record.request, "fallback", why)
+        log.warning("request %s: model %s answered by its fallback %s: %s",
+                    smaller.request_id, asked, smaller.model, why)
+        record.request, record.fallback_of = smaller, asked
+        record.note, record.group = f"degraded fallback from {asked}", None
 
     def _remember(self, request: Request, kind: str, why: str) -> None:
         self.recent.appendleft({"at": time.time(), "id": request.request_id,

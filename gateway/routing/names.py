@@ -14,6 +14,11 @@ class ModelNames:
     def __init__(self, routes: Sequence[ModelRoute] = ()) -> None:
         self._served = {(r.name, g): s for r in routes for g, s in r.groups.items()}
         self._client = {(g, s): r.name for r in routes for g, s in r.groups.items()}
+        self._fallback = {r.name: r.fallback for r in routes if r.fallback}
+
+    def fallback(self, model: str) -> str | None:
+        """The smaller model that answers for ``model`` when none of its backends can."""
+        return self._fallback.get(model) if self._fallback else None
 
     def served(self, model: str, group: str) -> str:
         """The name ``group`` serves the client's ``model`` under."""

@@ -20,7 +20,7 @@ class BackendPool:
                  names: ModelNames | None = None) -> None:
         self.backends = list(backends)
         self.allows = allows  # the circuit breakers' say
-        self.names = names or ModelNames()
+        self.names = names if names is not None else ModelNames()
 
     def replace(self, backends: Sequence[Backend]) -> None:
         """The backends after a reload, in place: the health checker walks the same list."""

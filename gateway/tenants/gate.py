@@ -25,7 +25,9 @@ class TenantGate:
         The task runs while the request is routed; the proxy awaits it before forwarding."""
         tenant: Tenant = scope.get(TENANT, ANONYMOUS)
         record.tenant, record.priority = tenant.name, tenant.priority
-        if not tenant.limited and not tenant.models:
+        if tenant.models:
+            record.allowed = tenant.models
+        elif not tenant.limited:
             return None
         return asyncio.get_running_loop().create_task(self._admit(tenant, record))
 
