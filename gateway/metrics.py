@@ -60,7 +60,8 @@ class Metrics:
             "(none: no backend), model (as clients name it) and HTTP status",
             ("backend", "group", "model", "status"))
         self.ttft = histogram("gateway_ttft_seconds", "Time from the request to its first byte "
-                              "relayed", ("group",), LATENCY)
+                              "relayed, by the backend and group that answered",
+                              ("backend", "group"), LATENCY)
         self.inter_token = histogram(
             "gateway_inter_token_seconds", "Mean gap between the chunks of one stream",
             ("group",), GAPS)
@@ -98,7 +99,8 @@ class Metrics:
             "gateway_retry_budget_exhausted_total", "Retries refused because the budget was spent")
         self.degraded = counter(
             "gateway_degraded_replies_total", "Requests no backend could serve, by what they got: "
-            "cache (an earlier reply), static (the configured message), unavailable (503)",
+            "cache (an earlier reply), fallback (the model's fallback model), static (the "
+            "configured message), unavailable (503)",
             ("kind",))
         self.stream_failures = counter(
             "gateway_stream_failures_total", "Replies that failed after their headers went out: "

@@ -54,7 +54,7 @@ class RequestLog:
         first, ttft = record.first_byte, None
         if first is not None:
             ttft = first - request.started
-            child(m.ttft, group).observe(ttft)
+            child(m.ttft, name, group).observe(ttft)
             if record.chunks > 1 and record.last_byte is not None:
                 child(m.inter_token, group).observe(
                     (record.last_byte - first) / (record.chunks - 1))

@@ -1,5 +1,5 @@
-"""The status page's trends: requests and 5xx replies a second per backend and per group,
-and TTFT p50 / p99 per group, over the last minutes.
+"""The status page's trends: requests and 5xx replies a second and TTFT p50 / p99, per
+backend and per group, over the last minutes.
 
 Every ``step`` seconds the request counter and the TTFT histogram are read as /metrics
 renders them (with several serving processes, every process's values added up) into a
@@ -31,18 +31,26 @@ QUANTILES = (("ttft_p50_ms", 0.5), ("ttft_p99_ms", 0.99))
 Reading = tuple[str, dict[str, str], float]  # a sample's name, labels and value
 Reader = Callable[[], Iterable[Reading]]
 Totals = dict[str, tuple[float, float]]  # name: (requests, 5xx replies)
+Buckets = dict[str, tuple[float, ...]]  # name: TTFT cumulative bucket counts, bounds order
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """One side's counters (per backend or per group) at one moment: requests and 5xx
+    replies, and the TTFT histogram's cumulative bucket counts in ``Trends.bounds`` order."""
+
+    totals: Totals
+    ttft: Buckets
 
 
 @dataclass(frozen=True, slots=True)
 class Sample:
-    """The counters at one moment: requests and 5xx replies by backend and by group, and
-    per group the TTFT histogram's cumulative bucket counts in ``Trends.bounds`` order."""
+    """The counters at one moment, per backend and per group."""
 
     mono: float
     wall: float
-    backends: Totals
-    groups: Totals
-    ttft: dict[str, tuple[float, ...]]
+    backends: Counts
+    groups: Counts
 
 
 def reader(metrics: Metrics) -> Reader:
@@ -83,13 +91,18 @@ class FileReader:
         return cumulative(readings)
 
 
+def series_of(reading: Reading) -> tuple[str, str]:
+    """The (backend, group) series a TTFT bucket belongs to."""
+    return reading[1]["backend"], reading[1]["group"]
+
+
 def cumulative(readings: list[Reading]) -> list[Reading]:
-    """Bucket counts as the files keep them (each bucket's own) made cumulative, as the
-    exposition format has them."""
+    """Bucket counts as the files keep them (each bucket's own) made cumulative within each
+    series, as the exposition format has them."""
     buckets = sorted((r for r in readings if r[0] == TTFT + "_bucket"),
-                     key=lambda r: (r[1]["group"], float(r[1]["le"])))
+                     key=lambda r: (series_of(r), float(r[1]["le"])))
     out = [r for r in readings if r[0] != TTFT + "_bucket"]
-    for _, series in itertools.groupby(buckets, key=lambda r: r[1]["group"]):
+    for _, series in itertools.groupby(buckets, key=series_of):
         total = 0.0
         for name, labels, value in series:
             total += value
@@ -114,24 +127,25 @@ def quantile(q: float, bounds: tuple[float, ...], counts: list[float]) -> float 
     return lower
 
 
-def rates(pairs: list[tuple[Sample, Sample]], side: Callable[[Sample], Totals],
+def rates(pairs: list[tuple[Sample, Sample]], side: Callable[[Sample], Counts],
           name: str) -> dict[str, list[float | None]]:
     """``name``'s requests and 5xx replies a second between neighbouring samples."""
     out: dict[str, list[float | None]] = {"requests": [], "errors": []}
     for a, b in pairs:
         seconds = b.mono - a.mono
-        before, after = side(a).get(name, (0.0, 0.0)), side(b).get(name, (0.0, 0.0))
+        before = side(a).totals.get(name, (0.0, 0.0))
+        after = side(b).totals.get(name, (0.0, 0.0))
         for i, key in enumerate(("requests", "errors")):  # a restart's reset counts as 0
             delta = max(0.0, after[i] - before[i])
             out[key].append(round(delta / seconds, 3) if seconds > 0 else 0.0)
     return out
 
 
-def by_backend(sample: Sample) -> Totals:
+def by_backend(sample: Sample) -> Counts:
     return sample.backends
 
 
-def by_group(sample: Sample) -> Totals:
+def by_group(sample: Sample) -> Counts:
     return sample.groups
 
 
@@ -154,7 +168,8 @@ class Trends:
     def _sample(self, mono: float, wall: float) -> Sample:
         backends: Totals = {}
         groups: Totals = {}
-        buckets: dict[str, dict[float, float]] = {}
+        backend_buckets: dict[str, dict[float, float]] = {}  # name: le: count
+        group_buckets: dict[str, dict[float, float]] = {}  # a group's: its backends' summed
         for name, labels, value in self._read():
             if name == REQUESTS + "_total":
                 error = value if labels["status"].startswith("5") else 0.0
@@ -163,34 +178,44 @@ class Trends:
                     totals[key] = (count + value, errors + error)
             elif name == TTFT + "_bucket":
                 le = float(labels["le"])
-                group = buckets.setdefault(labels["group"], {})
-                group[le] = group.get(le, 0.0) + value
-        if buckets:
-            self.bounds = tuple(sorted(next(iter(buckets.values()))))
-        ttft = {g: tuple(b.get(le, 0.0) for le in self.bounds) for g, b in buckets.items()}
-        return Sample(mono, wall, backends, groups, ttft)
+                for buckets, key in ((backend_buckets, labels["backend"]),
+                                     (group_buckets, labels["group"])):
+                    counts = buckets.setdefault(key, {})
+                    counts[le] = counts.get(le, 0.0) + value
+        if group_buckets:
+            self.bounds = tuple(sorted(next(iter(group_buckets.values()))))
+        return Sample(mono, wall, Counts(backends, self._ordered(backend_buckets)),
+                      Counts(groups, self._ordered(group_buckets)))
+
+    def _ordered(self, buckets: dict[str, dict[float, float]]) -> Buckets:
+        return {name: tuple(counts.get(le, 0.0) for le in self.bounds)
+                for name, counts in buckets.items()}
 
     def data(self) -> dict[str, object]:
         """One point per step: ``times`` (wall clock, the step's end), and per backend and
-        per group ``requests`` and ``errors`` (5xx) a second; per group ``ttft_p50_ms`` and
+        per group ``requests`` and ``errors`` (5xx) a second, ``ttft_p50_ms`` and
         ``ttft_p99_ms`` (null: nothing answered in that step)."""
         pairs = list(itertools.pairwise(self._ring))
-        backends = {name: rates(pairs, by_backend, name)
-                    for name in sorted({n for _, b in pairs for n in b.backends})}
-        groups = {name: rates(pairs, by_group, name)
-                  for name in sorted({n for _, b in pairs for n in (*b.groups, *b.ttft)})}
-        for group, series in groups.items():
-            for label, q in QUANTILES:
-                series[label] = [self._quantile(a, b, group, q) for a, b in pairs]
         return {"step_s": self.step, "window_s": self.window,
                 "times": [round(b.wall, 1) for _, b in pairs],
-                "backends": backends, "groups": groups}
+                "backends": self._series(pairs, by_backend),
+                "groups": self._series(pairs, by_group)}
 
-    def _quantile(self, a: Sample, b: Sample, group: str, q: float) -> float | None:
-        later = b.ttft.get(group)
+    def _series(self, pairs: list[tuple[Sample, Sample]],
+                side: Callable[[Sample], Counts]) -> dict[str, dict[str, list[float | None]]]:
+        names = sorted({n for _, b in pairs for n in (*side(b).totals, *side(b).ttft)})
+        out = {name: rates(pairs, side, name) for name in names}
+        for name, series in out.items():
+            for label, q in QUANTILES:
+                series[label] = [self._quantile(side(a).ttft, side(b).ttft, name, q)
+                                 for a, b in pairs]
+        return out
+
+    def _quantile(self, a: Buckets, b: Buckets, name: str, q: float) -> float | None:
+        later = b.get(name)
         if later is None or len(later) != len(self.bounds):
             return None
-        earlier = a.ttft.get(group) or (0.0,) * len(later)
+        earlier = a.get(name) or (0.0,) * len(later)
         if len(earlier) != len(later):
             return None
         counts = [max(0.0, y - x) for x, y in zip(earlier, later, strict=True)]

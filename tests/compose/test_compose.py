@@ -131,7 +131,7 @@ def test_the_image_installs_the_package_the_readme_installs() -> None:
              if line.strip() and not line.lstrip().startswith("#")]
     steps = [(op.upper(), rest.strip()) for op, rest in lines if op.isalpha()]
     installed = next(i for i, (op, rest) in enumerate(steps) if op == "RUN"
-                     and rest.split()[:3] == ["pip", "install", "."])
+                     and rest.split()[:3] == ["pip", "install", "'.[otel]'"])  # tracing ready
     copied = {part for op, rest in steps[:installed] if op == "COPY" for part in rest.split()}
     assert {"pyproject.toml", "gateway", "backends"} <= copied  # all of it, before the install
     assert ("ENTRYPOINT", '["vllm-gateway"]') in steps

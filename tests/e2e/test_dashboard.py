@@ -121,6 +121,12 @@ CHART_BOX = """(() => {
   const box = row.querySelector('svg').getBoundingClientRect();
   return box.width && [box.x, box.y, box.width, box.height];
 })()"""
+# The steady backend's TTFT chart: the path of its p50 and p99 lines.
+TTFT_LINES = """(() => {
+  const row = [...document.querySelectorAll('#trends tr')].find(
+    (r) => r.cells[0].textContent.startsWith('steady '));
+  return ['p50', 'p99'].map((q) => row.cells[3].querySelector('path.' + q)?.getAttribute('d'));
+})()"""
 
 
 def trends(gw: Gateway, **headers: str) -> dict[str, Any]:
@@ -148,9 +154,10 @@ def test_trends_chart_rates_errors_and_ttft_from_the_gateways_counters(
     other = "fresh" if dash.broken_by == "steady" else "steady"
     assert sum(backends[other]["errors"]) == 0
     assert sum(groups["none"]["requests"]) * step == pytest.approx(1, abs=0.1)
-    p50 = [v for v in groups["stable"]["ttft_p50_ms"] if v is not None]
-    p99 = [v for v in groups["stable"]["ttft_p99_ms"] if v is not None]
-    assert p50 and p99 and 0 < p50[0] <= p99[0] <= 1000
+    for series in (groups["stable"], backends["steady"]):  # stable's one backend
+        p50 = [v for v in series["ttft_p50_ms"] if v is not None]
+        p99 = [v for v in series["ttft_p99_ms"] if v is not None]
+        assert p50 and p99 and 0 < p50[0] <= p99[0] <= 1000
     assert len(found["times"]) == len(backends["steady"]["requests"])
 
     chromium.open(dash.gw.url + "/dashboard")
@@ -159,6 +166,8 @@ def test_trends_chart_rates_errors_and_ttft_from_the_gateways_counters(
     # The requests line (#0969da, blended by anti-aliasing), not the chart's pale fills.
     line = sum(1 for row in rows for px in row if px[2] - px[0] > 100)
     assert line >= box[2] - 4  # runs across the chart
+    lines = chromium.evaluate(TTFT_LINES)
+    assert all(d and d.startswith("M") for d in lines), lines  # drawn per backend too
     (tmp_path / "trends.png").write_bytes(chromium.screenshot())
 
 

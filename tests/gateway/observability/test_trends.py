@@ -14,6 +14,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from gateway.metrics import LATENCY, MULTIPROC_ENV, Metrics
 from gateway.observability.trends import FileReader, Reading, Trends, quantile, reader
 
+QUIET = {"ttft_p50_ms": [None], "ttft_p99_ms": [None]}  # a step with no first byte
+
 
 def served(m: Metrics, backend: str, group: str, status: str, n: int = 1) -> None:
     m.requests.labels(backend, group, "model", status).inc(n)
@@ -31,9 +33,9 @@ def test_rates_per_backend_and_group_with_5xx_apart() -> None:
     assert trends.tick(105.0, 1005.0)
     data = trends.data()
     assert data["times"] == [1005.0]
-    assert data["backends"] == {"a": {"requests": [3.0], "errors": [1.0]},
-                                "c": {"requests": [4.0], "errors": [0.0]},
-                                "none": {"requests": [0.2], "errors": [0.0]}}
+    assert data["backends"] == {"a": {"requests": [3.0], "errors": [1.0], **QUIET},
+                                "c": {"requests": [4.0], "errors": [0.0], **QUIET},
+                                "none": {"requests": [0.2], "errors": [0.0], **QUIET}}
     groups = data["groups"]
     assert isinstance(groups, dict)
     assert groups["stable"]["requests"] == [3.0] and groups["stable"]["errors"] == [1.0]
@@ -44,18 +46,25 @@ def test_ttft_quantiles_come_from_the_steps_observations_alone() -> None:
     m = Metrics()
     trends = Trends(reader(m), step=5, window=60)
     for _ in range(100):
-        m.ttft.labels("stable").observe(3.0)  # before the first sample: not in any step
+        m.ttft.labels("fast", "stable").observe(3.0)  # before the first sample: in no step
     trends.tick(0.0, 0.0)
-    for i in range(100):
-        m.ttft.labels("stable").observe(0.02 if i < 98 else 2.0)
+    for _ in range(98):
+        m.ttft.labels("fast", "stable").observe(0.02)
+    for _ in range(2):
+        m.ttft.labels("slow", "stable").observe(2.0)  # the group's slowest 2 %
     trends.tick(5.0, 5.0)
     trends.tick(10.0, 10.0)  # a step with nothing answered
-    groups = trends.data()["groups"]
-    assert isinstance(groups, dict)
+    data = trends.data()
+    groups, backends = data["groups"], data["backends"]
+    assert isinstance(groups, dict) and isinstance(backends, dict)
     p50, p99 = groups["stable"]["ttft_p50_ms"], groups["stable"]["ttft_p99_ms"]
     assert p50[1] is None and p99[1] is None
     assert 10 < p50[0] <= 25  # in the (10 ms, 25 ms] bucket
-    assert 1000 < p99[0] <= 2500  # in the (1 s, 2.5 s] bucket
+    assert 1000 < p99[0] <= 2500  # in the (1 s, 2.5 s] bucket: the backends summed
+    fast, slow = backends["fast"], backends["slow"]
+    assert 10 < fast["ttft_p50_ms"][0] <= fast["ttft_p99_ms"][0] <= 25
+    assert 1000 < slow["ttft_p50_ms"][0] <= slow["ttft_p99_ms"][0] <= 2500
+    assert fast["ttft_p50_ms"][1] is None and slow["ttft_p99_ms"][1] is None
 
 
 def test_a_sample_is_taken_once_a_step_and_the_ring_keeps_the_window() -> None:
@@ -80,7 +89,7 @@ def test_a_counter_that_went_back_counts_as_nothing() -> None:
     trends = Trends(read, step=1, window=10)
     trends.tick(0.0, 0.0)
     trends.tick(1.0, 1.0)
-    assert trends.data()["backends"] == {"a": {"requests": [0.0], "errors": [0.0]}}
+    assert trends.data()["backends"] == {"a": {"requests": [0.0], "errors": [0.0], **QUIET}}
 
 
 @pytest.mark.parametrize(("q", "counts", "expected"), [
@@ -98,7 +107,7 @@ def test_quantile_reads_a_histogram_as_prometheus_does(q: float, counts: list[fl
 def test_the_buckets_are_the_metrics_own() -> None:
     m = Metrics()
     trends = Trends(reader(m))
-    m.ttft.labels("g").observe(0.1)
+    m.ttft.labels("b", "g").observe(0.1)
     trends.tick(0.0, 0.0)
     assert trends.bounds == (*LATENCY, float("inf"))
 
@@ -108,8 +117,9 @@ from gateway.metrics import Metrics
 m = Metrics()
 m.requests.labels("a", "stable", "m", "200").inc({n})
 m.requests.labels("a", "stable", "m", "503").inc()
-m.ttft.labels("stable").observe(0.02)
-m.ttft.labels("stable").observe({slow})
+m.ttft.labels("a", "stable").observe(0.02)
+m.ttft.labels("b", "stable").observe({slow})
+m.ttft.labels("b", "stable").observe(0.02)
 m.duration.labels("stable").observe(1.0)
 """
 
@@ -128,4 +138,5 @@ def test_the_files_of_every_process_read_as_their_collector_reads_them(tmp_path:
     assert ours == theirs
     assert ("gateway_requests_total", sorted({"backend": "a", "group": "stable", "model": "m",
                                               "status": "200"}.items()), 8.0) in ours
-    assert ("gateway_ttft_seconds_bucket", [("group", "stable"), ("le", "+Inf")], 4.0) in ours
+    inf = [("backend", "b"), ("group", "stable"), ("le", "+Inf")]
+    assert ("gateway_ttft_seconds_bucket", inf, 4.0) in ours
