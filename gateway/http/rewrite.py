@@ -34,6 +34,16 @@ class Filter(Protocol):
     def flush(self) -> bytes: ...
 
 
+def whole_events(carry: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    """The complete SSE events in what was held back plus ``chunk``, and the incomplete
+    rest to hold back for the next chunk (either may be b"")."""
+    data = carry + chunk if carry else chunk
+    cut = data.rfind(b"\n\n") + 2
+    if cut < 2:
+        return b"", data
+    return data[:cut], data[cut:]
+
+
 class ModelRewrite:
     __slots__ = ("_carry", "_new", "_pattern")
 

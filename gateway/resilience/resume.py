@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
+from gateway.http.rewrite import whole_events
 from gateway.resilience.sse import CHAT, DONE
 from gateway.types import Request
 
@@ -168,13 +169,8 @@ class Seam:
         self.usage: tuple[int, int] | None = None
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._carry + chunk if self._carry else chunk
-        cut = data.rfind(b"\n\n") + 2
-        if cut < 2:
-            self._carry = data
-            return b""
-        self._carry = data[cut:]
-        return b"".join(self._event(e) for e in data[:cut].split(b"\n\n")[:-1])
+        events, self._carry = whole_events(self._carry, chunk)
+        return b"".join(self._event(e) for e in events.split(b"\n\n")[:-1])
 
     def flush(self) -> bytes:
         rest, self._carry = self._carry, b""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from gateway.http.rewrite import whole_events
+
 USAGE = b'"usage":{'
 _PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
@@ -52,13 +54,8 @@ class UsageStrip:
         self.usage: tuple[int, int] | None = None
 
     def feed(self, chunk: bytes) -> bytes:
-        data = self._carry + chunk if self._carry else chunk
-        cut = data.rfind(b"\n\n") + 2
-        if cut < 2:
-            self._carry = data
-            return b""
-        self._carry = data[cut:]
-        return self._drop(data[:cut])
+        events, self._carry = whole_events(self._carry, chunk)
+        return self._drop(events) if events else b""
 
     def _drop(self, events: bytes) -> bytes:
         at = events.find(_USAGE_CHUNK)
