@@ -8,6 +8,9 @@
 #   bash bench/gpu/run.sh load    # the interleaved rounds -> $OUT/sticky.jsonl
 #   bash bench/gpu/run.sh kill    # SIGKILL under load -> $OUT/kill.json, logs summarised
 #
+# CONTINUE sets the sticky gateway's [resilience] continue_streams (default "deterministic",
+# the gateway's own default; the kill's streams are temperature 0, so they are continued).
+#
 # LAYOUT picks the instances (issue 10 on multi-GPU hosts):
 #   shared   four instances on GPU 0, memory split by the settings of shared/gpu (default)
 #   per-gpu  one instance per GPU the host has (CUDA_VISIBLE_DEVICES=i each)
@@ -50,6 +53,7 @@ TOML
 
 configs() {  # the two gateways' configs, checked by the gateway itself
   { printf '[gateway]\nlisten = "127.0.0.1:9000"\n[supervisor]\nsequential_start = true\nlog_dir = "%s/logs"\n[health]\ninterval = 2.0\n' "$W"
+    printf '[resilience]\ncontinue_streams = "%s"\n' "${CONTINUE:-deterministic}"
     for i in $(seq 0 $((N - 1))); do backend "vllm-$i" $((8001 + i)) "${GPUS_OF[$i]}"; done; } > "$W/sticky.toml"
   { printf '[gateway]\nlisten = "127.0.0.1:9001"\n[routing]\nsticky = false\npolicy = "round_robin"\n'
     printf '[breaker]\nshare = false\n[degraded]\ncache = false\n[health]\ninterval = 2.0\n'
@@ -65,7 +69,7 @@ setup() {
   echo "model ready after $(( $(date +%s) - t0 )) s"
   configs
   setsid nohup $PY -m gateway serve --config "$W/sticky.toml" > "$W/logs/gateway-sticky.log" 2>&1 < /dev/null &
-  for _ in $(seq 1 540); do
+  for _ in $(seq 1 "${SETUP_WAIT:-540}"); do  # the gateway (setsid) goes on if this stops first
     n=$(curl -s localhost:9000/admin/status | $PY -c 'import json,sys; print(sum(b["state"]=="ready" for b in json.load(sys.stdin)["backends"]))' 2>/dev/null || echo 0)
     [ "$n" = "$N" ] && break
     sleep 1
@@ -86,8 +90,26 @@ load() {
 }
 
 kill_one() {
-  $PY -m bench.gpu_kill --gateway http://127.0.0.1:9000 --backend vllm-1 --seconds "${SECONDS_UNDER_LOAD:-150}" | tee "$OUT/kill.json"
-  grep -E "WARNING|ERROR|ready after|started pid" "$W/logs/gateway-sticky.log" | tail -40 > "$OUT/gateway-sticky.log.txt"
+  for _ in $(seq 1 300); do  # the setup call may have ended before every instance was ready
+    n=$(curl -s localhost:9000/admin/status | $PY -c 'import json,sys; print(sum(b["state"]=="ready" for b in json.load(sys.stdin)["backends"]))' 2>/dev/null || echo 0)
+    [ "$n" = "$N" ] && break
+    sleep 1
+  done
+  echo "$n of $N instances ready"
+  cp "$W/sticky.toml" "$OUT/gateway-sticky.toml"
+  $PY -m bench.gpu_kill --gateway http://127.0.0.1:9000 --backend vllm-1 --direct-port 8001 \
+    --seconds "${SECONDS_UNDER_LOAD:-150}" > "$OUT/kill.json"
+  $PY -c 'import json,sys; d=json.load(open(sys.argv[1])); d.pop("on_killed"); print(json.dumps(d))' "$OUT/kill.json"
+  L="$W/logs/gateway-sticky.log"
+  { echo "# continuation notes and declines (access log and gateway.proxy)"
+    grep -E "stream continued|not continued|stream dropped" "$L"
+    echo "# warnings and errors (last 60)"
+    grep -iE '"level": ?"(warning|error)"|WARNING|ERROR' "$L" | tail -60
+    echo "# supervisor"
+    grep -E "ready after|started pid|restart" "$L" | tail -20
+  } > "$OUT/gateway-sticky.log.txt"
+  grep -cE "stream continued" "$L" | sed 's/^/access-log lines with a continuation note: /'
+  curl -s localhost:9000/metrics | grep -E "^gateway_(stream_continuations|stream_failures|retries|sticky|breaker_state)" > "$OUT/gateway_metrics.txt"
   tail -30 "$W/logs/vllm-1.log" > "$OUT/vllm-1.tail.txt" 2>/dev/null
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee "$OUT/nvidia-smi.txt"
 }
