@@ -241,6 +241,8 @@ class Proxy:
                 deadline.stream(self._timeouts.idle_timeout, total)
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
+        if admitting is not None:  # the key's limits decide before any other answer
+            await admitting
         await self._exhausted(record, send, deadline, tried[excluded:], failure)
 
     async def _place(self, record: Record, tried: list[Backend], arm: asyncio.Task[None] | None,

@@ -16,6 +16,7 @@ from tests.helpers import Gateway, Sim, http_ok, metric, wait_for
 
 ALICE = "sk-alice-only-big-0000000001"  # may use "big" only
 BOB = "sk-bob-big-and-small-00000001"
+CAROL = "sk-carol-one-a-minute-00000001"  # both models, one request a minute
 CHAT = "/v1/chat/completions"
 BODY = {"model": "big", "max_tokens": 3, "temperature": 0,
         "messages": [{"role": "user", "content": "hello"}]}
@@ -37,6 +38,8 @@ def gw(tmp: Path, sims: tuple[Sim, Sim]) -> Iterator[Gateway]:
               '[[models]]\nname = "big"\nfallback = "small"\n'
               f'[[keys]]\nname = "alice"\nkey = "{ALICE}"\nmodels = ["big"]\n'
               f'[[keys]]\nname = "bob"\nkey = "{BOB}"\nmodels = ["big", "small"]\n'
+              f'[[keys]]\nname = "carol"\nkey = "{CAROL}"\nmodels = ["big", "small"]\n'
+              'rpm = 1\n'
               f'[[backends]]\nname = "big0"\nurl = "{big.url}"\n'
               f'[[backends]]\nname = "small0"\nurl = "{small.url}"\n')
     gateway = Gateway(tmp, config, name="fallback")
@@ -110,3 +113,16 @@ def test_the_cache_comes_first_and_the_static_reply_last(
     finally:
         fault(sims[0], "")
         fault(sims[1], "")
+
+
+def test_a_key_over_its_limit_is_refused_not_answered_by_the_fallback(
+    gw: Gateway, sims: tuple[Sim, Sim],
+) -> None:
+    fault(sims[0], "fault=500")
+    try:
+        first = ask(gw, CAROL, messages=[{"role": "user", "content": "carol 1"}])
+        second = ask(gw, CAROL, messages=[{"role": "user", "content": "carol 2"}])
+    finally:
+        fault(sims[0], "")
+    assert first.status_code == 200 and first.headers["x-gateway-degraded"] == "fallback"
+    assert second.status_code == 429, second.text
