@@ -70,8 +70,10 @@ async def one_run(name: str, url: str, size: int, args: argparse.Namespace,
     return {
         "target": name, "size": size, "errors": result.errors, "kinds": result.error_kinds,
         "ttft_p50": result.ttft_ms["p50"], "ttft_p99": result.ttft_ms["p99"],
+        "ttft_mean": result.ttft_ms["mean"],
         "gap_max": result.gap_ms.get("max"), "tok_s": round(events / result.wall_s, 1),
-        "vllm_ttft_mean": mean_ms(before, after, TTFT),
+        "vllm_ttft_mean": (inside := mean_ms(before, after, TTFT)),
+        "front_mean": round(result.ttft_ms["mean"] - inside, 2),
         "vllm_queue_mean": mean_ms(before, after, QUEUE),
         "api_server_cores": round(ticks / TICKS / wall / max(1, len(pids)), 3),
     }
@@ -118,6 +120,29 @@ def summary(path: str) -> None:
               f"{med([r['vllm_ttft_mean'] for r in rs])} / "
               f"{med([r['vllm_queue_mean'] for r in rs])} | "
               f"{max(r['api_server_cores'] for r in rs)} | {sum(r['errors'] for r in rs)} |")
+    against(rows, med)
+
+
+def against(rows: list[dict[str, Any]], med: Any) -> None:
+    """The gateway against each peer in the same repeat: TTFT p50, p99, and the mean time in
+    front of vLLM's engine (client mean TTFT minus vLLM's own mean TTFT over the run), which
+    leaves out most of the engine's scheduling noise that swings one repeat's TTFT."""
+    by = {(r["repeat"], r["size"], r["target"]): r for r in rows}
+    sizes = sorted({r["size"] for r in rows})
+    peers = sorted({r["target"] for r in rows} - {"gateway"})
+    print("\n| gateway - peer (median of per-repeat differences; repeats the gateway was "
+          "faster) | streams | TTFT p50 ms | TTFT p99 ms | time in front of vLLM ms |")
+    print("|---|---|---|---|---|")
+    for peer in peers:
+        for size in sizes:
+            pairs = [(g, by[(rep, size, peer)]) for (rep, sz, t), g in sorted(by.items())
+                     if t == "gateway" and sz == size and (rep, size, peer) in by]
+            cells = []
+            for key in ("ttft_p50", "ttft_p99", "front_mean"):
+                diffs = [g[key] - p[key] for g, p in pairs if key in g and key in p]
+                won = sum(d < 0 for d in diffs)
+                cells.append(f"{med(diffs):+} ({won}/{len(diffs)})" if diffs else "n/a")
+            print(f"| gateway - {peer} | {size} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
