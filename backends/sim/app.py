@@ -263,6 +263,10 @@ class SimApp:
             await emit(completion.last_chunk(usage) if i == last else completion.token_chunk(i))
         if usage:
             await emit(completion.usage_chunk())
+        if opts.fault in (Fault.CRASH, Fault.CUT) and opts.after in (events, events + 1):
+            if opts.after > events:  # the client has [DONE], then the connection drops
+                await write(send, b"data: [DONE]\n\n", opts.split, more=True)
+            raise SimulatedCrash
         await write(send, b"data: [DONE]\n\n", opts.split)
 
     async def _strike(self, send: Send, opts: SimOptions) -> None:

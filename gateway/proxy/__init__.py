@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import replace
 
 from starlette.types import Receive, Scope, Send
@@ -20,12 +21,10 @@ from gateway.canary.tally import Tally
 from gateway.config import Config
 from gateway.errors import (
     GatewayError,
-    ModelNotFound,
     Overloaded,
     PayloadTooLarge,
     RequestTimeout,
     ResponseUnavailable,
-    UpstreamTimeout,
 )
 from gateway.http import media
 from gateway.http.asgi import (
@@ -40,9 +39,10 @@ from gateway.http.sink import Hangup
 from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
 from gateway.observability.tracing import Tracing
-from gateway.proxy.opener import Opener
+from gateway.proxy.opener import Opener, result_of
 from gateway.proxy.parse import RequestParser
 from gateway.proxy.relay import Relay, header
+from gateway.proxy.rescue import Rescue
 from gateway.proxy.resume import Resume
 from gateway.resilience.attempt import Attempt, Failed, Next, judge, note_busy, retriable, settled
 from gateway.resilience.breaker import Outcome, Ticket
@@ -80,11 +80,11 @@ class Proxy:
         self._open = Opener(pool, upstream, responses, tracing)
         self._shadow = Shadow(upstream, router, pool, canary, metrics,
                               config.upstream.total_timeout)
-        self._degraded = degraded
+        self._rescue = Rescue(pool, degraded)
         self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
         if config.resilience.continue_streams != "off":
             self._relay.resume = Resume(config.resilience, config.upstream, router, self._open,
-                                        self._relay, metrics, self._tally.attempt)
+                                        self._relay, metrics, self._tally.attempt, tracing)
         self._metrics = metrics
         self._router = router
         self._budget = RetryBudget(config.upstream.retry_budget_ratio,
@@ -186,27 +186,31 @@ class Proxy:
     async def _serve(self, record: Record, send: Send, deadline: Deadline,
                      admitting: asyncio.Task[None] | None) -> None:
         self._budget.deposit()
+        total = asyncio.get_running_loop().time() + self._timeouts.total_timeout
         only = await self._stored(record) if record.request.follows else None
         if only is None:
             arm = self._arms.assign(record)  # the session's stored arm: with its pin, one trip
             drawn = record.group  # the task may change it as soon as the pin lookup yields
             if arm is None:
                 self._mirror(record)
-            await self._attempts(record, send, deadline, arm, drawn, [], admitting)
+            await self._attempts(record, send, deadline, total, arm, drawn, [], admitting)
         else:  # a stored response's backend, or none: no arm, no mirror, no retry elsewhere
-            await self._attempts(record, send, deadline, None, None,
+            await self._attempts(record, send, deadline, total, None, None,
                                  [b for b in self._pool.backends if b is not only], admitting)
 
-    async def _attempts(self, record: Record, send: Send, deadline: Deadline,
+    async def _attempts(self, record: Record, send: Send, deadline: Deadline, total: float,
                         arm: asyncio.Task[None] | None, drawn: str | None,
                         tried: list[Backend], admitting: asyncio.Task[None] | None) -> None:
-        """Attempt after attempt until one is relayed, or none can be; ``tried`` starts
-        with the backends that must not be tried at all. The key's limits (``admitting``)
-        are checked while the first backend is chosen, and awaited before it is asked."""
+        """Attempt after attempt until one is relayed, or none can be, all before ``total``
+        (loop time); ``tried`` starts with the backends that must not be tried at all. The
+        key's limits (``admitting``) are checked while the first backend is chosen, and
+        awaited before it is asked. The fallback model's attempts come here again."""
         loop = asyncio.get_running_loop()
         request = record.request
-        total = loop.time() + self._timeouts.total_timeout
         excluded = len(tried)
+
+        def again() -> Awaitable[None]:  # the fallback model's attempts, by the same deadline
+            return self._attempts(record, send, deadline, total, None, None, [], None)
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
             ticket = await self._place(record, tried, arm, drawn)
@@ -217,7 +221,7 @@ class Proxy:
             if ticket is None or (n > 1 and not await self._back_off(n, total, loop)):
                 break
             tried.append(ticket.backend)
-            record.attempts = n
+            record.attempts += 1  # a fallback model's attempts count on
             self._hold(record)
             with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
@@ -235,15 +239,15 @@ class Proxy:
                         break
                 assert reply is not None and not isinstance(reply, GatewayError)
                 if step is Next.DEGRADE and await self._rescue(
-                        record, send, deadline, f"backend {ticket.backend.name} answered "
-                        f"{reply.status}", reply):
+                        record, send, f"backend {ticket.backend.name} answered {reply.status}",
+                        again, reply, ticket.backend):
                     return
                 deadline.stream(self._timeouts.idle_timeout, total)
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
         if admitting is not None:  # the key's limits decide before any other answer
             await admitting
-        await self._exhausted(record, send, deadline, tried[excluded:], failure)
+        await self._rescue.exhausted(record, tried[excluded:], failure, send, again)
 
     async def _place(self, record: Record, tried: list[Backend], arm: asyncio.Task[None] | None,
                      drawn: str | None) -> Ticket | None:
@@ -318,16 +322,11 @@ class Proxy:
         a retry is paid for only when the result is retriable, and a settled outcome is told
         to the breaker at once (the others when the relay ends)."""
         busy = False
-        result: int | Failed
-        if reply is None:
-            result, cause = Failed.CONNECT, "connect"
-        elif isinstance(reply, GatewayError):
-            result = Failed.TIMEOUT if isinstance(reply, UpstreamTimeout) else Failed.BROKEN
-            cause = reply.message
-        else:
-            result, cause = reply.status, f"status {reply.status}"
-            ticket.status = reply.status
-            busy = note_busy(reply.status, header(reply.headers, b"retry-after"), ticket.backend)
+        result, cause = result_of(reply)
+        if isinstance(result, int):
+            assert reply is not None and not isinstance(reply, GatewayError)
+            ticket.status = result
+            busy = note_busy(result, header(reply.headers, b"retry-after"), ticket.backend)
         retry = retriable(result) and self._may_retry(
             record, tried, n, "connect" if result is Failed.CONNECT else str(result))
         outcome, step = judge(result, busy, retry)
@@ -337,45 +336,6 @@ class Proxy:
             self._tracing.answered(record, None if isinstance(result, Failed) else result,
                                    step in (Next.RETRY, Next.FAIL))
         return outcome, step
-
-    async def _exhausted(self, record: Record, send: Send, deadline: Deadline,
-                         tried: list[Backend], failure: GatewayError | None) -> None:
-        """No attempt was relayed: an earlier reply, the fallback model, the static reply,
-        the error, or 503."""
-        model = record.fallback_of or record.request.model
-        if not tried and not self._pool.known_model(model):
-            raise ModelNotFound(f"The model `{model}` does not exist.")
-        why = (failure.message if failure else
-               f"no backend for model {model!r} could be reached" if tried else
-               f"no healthy backend serves model {model!r}")
-        if await self._rescue(record, send, deadline, why):
-            return
-        if failure is not None:
-            raise failure
-        await self._degraded.unavailable(record, send, why)
-
-    async def _rescue(self, record: Record, send: Send, deadline: Deadline, why: str,
-                      reply: UpstreamResponse | None = None) -> bool:
-        """An answer without the model's backends: a reply kept earlier, its fallback model
-        (``[[models]] fallback``), or the static reply; False when there is none."""
-        request, degraded = record.request, self._degraded
-        found = None if record.fallback_of else await degraded.find(request, static=False)
-        smaller = None if found else degraded.smaller(
-            record, self._pool.names.fallback(request.model))
-        if found is None and smaller is None:
-            model = record.fallback_of or request.model
-            found = await degraded.find(replace(request, model=model), cache=False)
-            if found is None:
-                return False
-        if reply is not None:
-            await reply.aclose(reuse=False)
-        if smaller is None:
-            assert found is not None
-            await degraded.send(record, send, found, why)
-        else:
-            degraded.fallback(record, smaller, why)
-            await self._attempts(record, send, deadline, None, None, [], None)
-        return True
 
     def _may_retry(self, record: Record, tried: list[Backend], attempt: int,
                    reason: str) -> bool:

@@ -10,12 +10,26 @@ from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
 from gateway.http.deadline import Deadline
 from gateway.http.headers import upstream_request_headers
 from gateway.observability.tracing import Tracing
+from gateway.resilience.attempt import Failed
 from gateway.routing.pool import BackendPool
 from gateway.routing.responses import ResponsePins
 from gateway.types import Record
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
+
+
+Reply = UpstreamResponse | GatewayError | None  # what an attempt's request came back with
+
+
+def result_of(reply: Reply) -> tuple[int | Failed, str]:
+    """An attempt's result as ``judge`` reads it, and the cause the breaker is told."""
+    if reply is None:
+        return Failed.CONNECT, "connect"
+    if isinstance(reply, GatewayError):
+        failed = Failed.TIMEOUT if isinstance(reply, UpstreamTimeout) else Failed.BROKEN
+        return failed, reply.message
+    return reply.status, f"status {reply.status}"
 
 
 class Opener:
@@ -26,8 +40,7 @@ class Opener:
         self._responses = responses
         self._tracing = tracing
 
-    async def __call__(self, backend: Backend, record: Record, deadline: Deadline
-                       ) -> UpstreamResponse | GatewayError | None:
+    async def __call__(self, backend: Backend, record: Record, deadline: Deadline) -> Reply:
         """Send the request: the reply; None when no connection could be made (another
         backend may be tried); the error when it broke or no headers came in time."""
         request = record.request

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 from backends.backend import Backend
@@ -111,3 +112,14 @@ class Attempt:
         ticket.backend.in_flight -= 1
         ticket.done(Outcome.NEUTRAL)  # a no-op once an outcome was given
         self._tally(ticket, self._started)
+
+
+@contextmanager
+def stepped_out(backend: Backend) -> Iterator[None]:
+    """While a failed attempt's request is answered elsewhere (its stream continued, a
+    fallback model asked), the failed backend does not count it as in flight."""
+    backend.in_flight -= 1
+    try:
+        yield
+    finally:
+        backend.in_flight += 1

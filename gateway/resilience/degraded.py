@@ -23,6 +23,8 @@ from gateway.types import Record, Request
 log = logging.getLogger("gateway.degraded")
 
 SSE = (b"content-type", b"text/event-stream; charset=utf-8")
+# The routes a smaller model may answer instead (``[[models]] fallback``).
+GENERATIONS = frozenset((CHAT, "/v1/completions", "/v1/responses", "/v1/messages"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +75,16 @@ class Degraded:
     @staticmethod
     def smaller(record: Record, name: str | None) -> Request | None:
         """The request for ``name``, the model's fallback, when its key may use it and no
-        fallback was tried already."""
-        if name is None or record.fallback_of or (
+        fallback was tried already. Only a generation (chat, completions, responses,
+        messages) that names no stored response: another model's embeddings, scores or
+        transcripts are not a degraded answer, and a stored response lives on one backend."""
+        request = record.request
+        if name is None or record.fallback_of or request.follows or (
+                request.path not in GENERATIONS) or (
                 record.allowed is not None and name not in record.allowed):
             return None
-        payload = {**record.request.payload, "model": name}
-        return replace(record.request, model=name, payload=payload, body=orjson.dumps(payload))
+        payload = {**request.payload, "model": name}
+        return replace(request, model=name, payload=payload, body=orjson.dumps(payload))
 
     def fallback(self, record: Record, smaller: Request, why: str) -> None:
         """The request goes to its model's fallback (``[[models]] fallback``) instead."""

@@ -77,21 +77,25 @@ class Partial:
     finished: bool  # a finish_reason was sent: only the end of the stream is missing
     usage: bool  # the usage chunk was sent
     events: int  # data events the client got (0: only the headers)
+    done: bool = False  # the client has ``[DONE]``: only the connection's end was missing
 
 
-def _text(choice: dict[str, Any], chat: bool) -> tuple[str, bool]:
-    """A choice's text and whether it carried a tool call."""
+def _text(choice: dict[str, Any], chat: bool) -> tuple[str, str | None]:
+    """A choice's text, and why what it carried can't be continued (None: it can): a tool
+    call, or reasoning (vLLM's reasoning parser: the continuation would not resume it)."""
     if chat:
         delta = choice.get("delta") or {}
         content = delta.get("content")
-        return (content if isinstance(content, str) else ""), bool(delta.get("tool_calls"))
+        why = ("tool calls" if delta.get("tool_calls") else
+               "reasoning" if delta.get("reasoning_content") or delta.get("reasoning") else None)
+        return (content if isinstance(content, str) else ""), why
     text = choice.get("text")
-    return (text if isinstance(text, str) else ""), False
+    return (text if isinstance(text, str) else ""), None
 
 
 def fold(path: str, parts: list[bytes]) -> Partial | str:
     """The partial answer in the chunks the client got, or why it can't be continued (a
-    cut event, an error, a tool call, a second choice)."""
+    cut event, an error, a tool call, reasoning, a second choice)."""
     data = b"".join(parts)
     if data and not data.endswith(b"\n\n"):
         return "cut event"  # the client holds half an event: nothing can follow it
@@ -105,7 +109,7 @@ def fold(path: str, parts: list[bytes]) -> Partial | str:
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
-            return "done"
+            return Partial(None, None, None, "", 0, True, True, events, done=True)
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -118,9 +122,9 @@ def fold(path: str, parts: list[bytes]) -> Partial | str:
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 return "choices"
-            text, tool = _text(choice, chat)
-            if tool:
-                return "tool calls"
+            text, why = _text(choice, chat)
+            if why is not None:
+                return why
             if text:
                 pieces.append(text)
                 tokens += 1
@@ -133,7 +137,8 @@ def fold(path: str, parts: list[bytes]) -> Partial | str:
 
 def continuation(request: Request, partial: Partial) -> Request:
     """The request for the rest of the answer: the partial text as the assistant's unfinished
-    message (chat) or after the prompt (completions), ``max_tokens`` less what was sent."""
+    message (chat) or after the prompt (completions), ``max_tokens`` and ``min_tokens``
+    less what was sent."""
     payload: dict[str, Any] = dict(request.payload)
     if partial.text:
         if request.path == CHAT:
@@ -147,6 +152,9 @@ def continuation(request: Request, partial: Partial) -> Request:
         value = payload.get(cap)
         if isinstance(value, int) and not isinstance(value, bool):
             payload[cap] = max(1, value - partial.tokens)
+    least = payload.get("min_tokens")
+    if isinstance(least, int) and not isinstance(least, bool) and least:
+        payload["min_tokens"] = max(0, least - partial.tokens)
     return replace(request, payload=payload, body=orjson.dumps(payload))
 
 
@@ -155,12 +163,15 @@ class Seam:
     ``created`` and ``model`` on every chunk, chat's opening role chunk left out (the client
     had it), the usage chunk counting both parts (completion tokens summed; prompt tokens
     the continuation's less the text it was given back), or taken out when the client did
-    not ask for it. Parses every event: used only after a stream broke."""
+    not ask for it. When the client had no event yet, the client's model name. Parses every
+    event: used only after a stream broke."""
 
-    __slots__ = ("_carry", "_chat", "_given", "_opened", "_partial", "_strip", "usage")
+    __slots__ = ("_carry", "_chat", "_given", "_model", "_opened", "_partial", "_strip",
+                 "usage")
 
     def __init__(self, request: Request, partial: Partial) -> None:
         self._partial = partial
+        self._model = request.model
         self._chat = request.path == CHAT
         self._strip = request.strip_usage
         self._given = partial.tokens if partial.text else 0
@@ -192,6 +203,8 @@ class Seam:
         p = self._partial
         if p.events:
             obj.update(id=p.id, created=p.created, model=p.model)
+        else:  # the backend's own name for the model must not reach the client
+            obj["model"] = self._model
         choices = obj.get("choices") or []
         if self._chat and not self._opened and choices and p.events:
             self._opened = True

@@ -126,3 +126,34 @@ def test_a_key_over_its_limit_is_refused_not_answered_by_the_fallback(
         fault(sims[0], "")
     assert first.status_code == 200 and first.headers["x-gateway-degraded"] == "fallback"
     assert second.status_code == 429, second.text
+
+
+def test_only_a_generation_is_answered_by_the_fallback(
+    gw: Gateway, sims: tuple[Sim, Sim],
+) -> None:
+    """Another model's embeddings are not a degraded answer: the client gets the failure."""
+    small_before = httpx.get(sims[1].url + "/sim/stats").json()["started"]
+    fault(sims[0], "fault=500")
+    try:
+        reply = httpx.post(gw.url + "/v1/embeddings", json={"model": "big", "input": "x"},
+                           headers={"authorization": f"Bearer {BOB}"})
+    finally:
+        fault(sims[0], "")
+    assert reply.status_code >= 500 and reply.headers.get("x-gateway-degraded") != "fallback"
+    assert httpx.get(sims[1].url + "/sim/stats").json()["started"] == small_before
+
+
+def test_the_fallbacks_attempts_count_on_in_the_log(
+    gw: Gateway, sims: tuple[Sim, Sim],
+) -> None:
+    fault(sims[0], "fault=500")
+    try:
+        reply = httpx.post(gw.url + CHAT, json=BODY, headers={
+            "authorization": f"Bearer {BOB}", "x-request-id": "fallback-attempts-1"})
+    finally:
+        fault(sims[0], "")
+    assert reply.headers["x-gateway-degraded"] == "fallback"
+    line = wait_for(lambda: next((x for x in gw.proc.output().splitlines()
+                                  if "fallback-attempts-1" in x and "status" in x), None),
+                    5, "the access log line")
+    assert "attempts=2" in line or '"attempts":2' in line, line

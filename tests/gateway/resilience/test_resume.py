@@ -65,10 +65,16 @@ def test_fold_reads_the_text_however_the_bytes_were_cut() -> None:
     (ROLE + delta("a")[:-3], "cut event"),  # the client holds half an event
     (ROLE + delta("", tool_calls=[{"index": 0}]), "tool calls"),
     (ROLE + b'data: {"error": {"message": "x"}}\n\n', "error"),
-    (ROLE + b"data: [DONE]\n\n", "done"),
+    (ROLE + delta("", reasoning_content="Hmm"), "reasoning"),
+    (ROLE + delta("", reasoning="Hmm"), "reasoning"),
 ])
 def test_fold_refuses_what_cannot_be_continued(stream: bytes, why: str) -> None:
     assert fold(CHAT, [stream]) == why
+
+
+def test_a_stream_the_client_has_whole_folds_as_done() -> None:
+    partial = fold(CHAT, [ROLE + delta("Hi") + b"data: [DONE]\n\n"])
+    assert isinstance(partial, Partial) and partial.done and partial.finished
 
 
 def test_only_the_headers_fold_to_an_empty_partial() -> None:
@@ -77,13 +83,16 @@ def test_only_the_headers_fold_to_an_empty_partial() -> None:
 
 
 def test_the_continuation_asks_for_the_rest() -> None:
-    original = chat_request(temperature=0, max_tokens=10)
+    original = chat_request(temperature=0, max_tokens=10, min_tokens=5)
     partial = fold(CHAT, [ROLE + delta("Hel") + delta("lo")])
     assert isinstance(partial, Partial)
     asked = orjson.loads(continuation(original, partial).body)
     assert asked["messages"][-1] == {"role": "assistant", "content": "Hello"}
     assert asked["continue_final_message"] is True and asked["add_generation_prompt"] is False
-    assert asked["max_tokens"] == 8
+    assert (asked["max_tokens"], asked["min_tokens"]) == (8, 3)
+    done = fold(CHAT, [ROLE + delta("a") * 6])
+    assert isinstance(done, Partial)
+    assert orjson.loads(continuation(original, done).body)["min_tokens"] == 0
     body = {"model": "m", "prompt": "Say", "stream": True, "max_tokens": 3}
     completion = request(path="/v1/completions", stream=True, payload=body)
     text = fold("/v1/completions", [event({**BASE, "choices": [{"index": 0, "text": " hi"}]})])
@@ -114,3 +123,16 @@ def test_the_seam_makes_the_continuation_part_of_the_clients_stream() -> None:
         assert objs[1]["usage"] == {"prompt_tokens": 11, "completion_tokens": 2,
                                     "total_tokens": 13}
         assert seam.usage == (11, 2)
+
+
+def test_a_continuation_before_any_event_names_the_clients_model() -> None:
+    """The break came before the client got an event: the continuation's own id stands, but
+    the backend's name for the model (an alias's served name) is replaced by the client's."""
+    partial = fold(CHAT, [])
+    assert isinstance(partial, Partial)
+    served = {"id": "chatcmpl-2", "object": "chat.completion.chunk", "created": 9,
+              "model": "served-name"}
+    seam = Seam(chat_request(), partial)
+    out = seam.feed(event({**served, "choices": [{"index": 0, "delta": {"content": "x"}}]}))
+    obj = orjson.loads(out.split(b"\n\n")[0][6:])
+    assert (obj["id"], obj["model"]) == ("chatcmpl-2", chat_request().model)
