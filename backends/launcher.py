@@ -55,7 +55,8 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None 
             # One backend over several GPUs is one tensor-parallel group across all of them.
             argv += ["--tensor-parallel-size", str(len(spec.gpus))]
         argv += list(spec.args)
-    env = dict(os.environ)
+    # The gateway's own settings (VGW_*: an admin key among them) are not vLLM's to read.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VGW_")}
     if spec.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
         # NVLink multicast off in NCCL, PyTorch and NVSHMEM: on a shared multi-GPU host a

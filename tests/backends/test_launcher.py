@@ -71,3 +71,14 @@ def test_the_backend_is_named_in_the_environment_and_the_user_cannot_override_it
     launch = build(spec(env={"VGW_BACKEND": "spoofed"}), gpu_package=False, backend="b1")
     assert launch.env["VGW_BACKEND"] == "b1"
     assert "VGW_BACKEND" not in build(spec(), gpu_package=False).env
+
+
+def test_the_gateways_own_settings_do_not_reach_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A setting from the environment (the admin key among them) is the gateway's alone;
+    a variable the spawn spec sets by name still goes through."""
+    monkeypatch.setenv("VGW_GATEWAY__ADMIN_KEY", "sk-admin-secret-0001")
+    monkeypatch.setenv("VGW_ADMIN_KEY", "sk-admin-secret-0002")
+    monkeypatch.setenv("HOME_OF_TEST", "kept")
+    env = build(spec(env={"VGW_MINE": "1"}), gpu_package=False).env
+    assert not {"VGW_GATEWAY__ADMIN_KEY", "VGW_ADMIN_KEY"} & set(env)
+    assert env["HOME_OF_TEST"] == "kept" and env["VGW_MINE"] == "1"
