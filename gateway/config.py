@@ -368,7 +368,8 @@ def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
         raise ConfigError([f"{path}: cannot read: {exc}"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: invalid TOML: {exc}"]) from None
-    origins, problems = apply_env(raw, os.environ if environ is None else environ)
+    origins, problems = apply_env(raw, os.environ if environ is None else environ,
+                                  frozenset(Config.model_fields))
     where = Where(str(path), text, origins)
     config = None
     try:

@@ -36,35 +36,80 @@ def _value(text: str) -> Any:
     return text
 
 
-def apply_env(raw: dict[str, Any], environ: Mapping[str, str]) -> tuple[dict[Path, str],
-                                                                        list[str]]:
+FREE_FORM = frozenset(("env", "groups"))  # tables whose keys are the user's (case kept)
+
+
+def _key(node: dict[str, Any], part: str, parent: str | int | None) -> str:
+    """The key a variable's name part stands for: the file's own spelling when a key
+    matches whatever its case, else the part as written in a free-form table (a spawn's
+    ``env``, a model's ``groups``), else in lower case (every key of ours is)."""
+    folded = part.lower()
+    for key in node:
+        if isinstance(key, str) and key.lower() == folded:
+            return key
+    return part if parent in FREE_FORM else folded
+
+
+def _part(node: Any, word: str, path: Path) -> str | int:
+    """One word of a variable's name as a step into ``node``: an index or a key."""
+    if word.isdigit():
+        return int(word)
+    return _key(node, word, path[-1] if path else None) if isinstance(node, dict) else word
+
+
+def _descend(node: Any, path: Path, name: str, origins: dict[Path, str]) -> Any:
+    """The table or entry at the last step of ``path`` (a table the file lacks is made and
+    named by the variable), or None when there is none."""
+    part = path[-1]
+    if isinstance(part, int) and isinstance(node, list) and part < len(node):
+        found = node[part]
+    elif isinstance(part, str) and isinstance(node, dict):
+        if part not in node:
+            origins.setdefault(path, name)
+        found = node.setdefault(part, {})
+    else:
+        return None
+    return found if isinstance(found, dict | list) else None
+
+
+def _mistyped(name: str, sections: frozenset[str]) -> str | None:
+    """A ``VGW_`` variable with no ``__`` whose first word names a section: a setting
+    written with one underscore (``VGW_REDIS_URL``), which would otherwise do nothing."""
+    head, _, rest = name[len(PREFIX):].partition("_")
+    if SEP in name or not rest or head.lower() not in sections:
+        return None
+    return (f"{name}: not a setting: a section and its key are joined by two underscores "
+            f"({PREFIX}{head}{SEP}{rest})")
+
+
+def apply_env(raw: dict[str, Any], environ: Mapping[str, str],
+              sections: frozenset[str] = frozenset()) -> tuple[dict[Path, str], list[str]]:
     """Set each non-empty ``VGW_A__B__C`` variable at ``a.b.c`` in ``raw`` (a number picks an
     entry of a list: ``VGW_BACKENDS__0__URL``). Returns where each path came from and the
-    variables that name no place."""
+    variables that name no place (or are settings mistyped with one underscore between a
+    section, one of ``sections``, and its key)."""
     origins: dict[Path, str] = {}
     problems = []
     for name in sorted(environ):
         value = environ[name]
-        if not name.startswith(PREFIX) or SEP not in name or not value:
+        if not name.startswith(PREFIX) or not value:
             continue
-        path: Path = tuple(int(p) if p.isdigit() else p.lower()
-                           for p in name[len(PREFIX):].split(SEP))
+        if SEP not in name:
+            if (mistyped := _mistyped(name, sections)) is not None:
+                problems.append(mistyped)
+            continue
         node: Any = raw
-        for i, part in enumerate(path[:-1]):
-            if isinstance(part, int) and isinstance(node, list) and part < len(node):
-                node = node[part]
-            elif isinstance(part, str) and isinstance(node, dict):
-                if part not in node:  # a table the file does not have: named by the variable
-                    origins.setdefault(path[:i + 1], name)
-                node = node.setdefault(part, {})
-            else:
-                node = None
-            if not isinstance(node, dict | list):
-                where = ".".join(map(str, path[:i + 1]))
-                problems.append(f"{name}: {where}: no such table or entry")
+        path: Path = ()
+        *tables, leaf = name[len(PREFIX):].split(SEP)
+        for word in tables:
+            path += (_part(node, word, path),)
+            node = _descend(node, path, name, origins)
+            if node is None:
+                problems.append(f"{name}: {'.'.join(map(str, path))}: no such table or entry")
                 break
         else:
-            last = path[-1]
+            last = _part(node, leaf, path)
+            path += (last,)
             if isinstance(node, dict) and isinstance(last, str):
                 node[last] = _value(value)
                 origins[path] = name

@@ -114,3 +114,34 @@ def test_version_flag() -> None:
     done = subprocess.run([sys.executable, "-m", "gateway", "--version"], capture_output=True,
                           text=True, timeout=30)
     assert done.returncode == 0 and done.stdout == f"vllm-gateway {__version__}\n"
+
+
+def test_free_form_keys_keep_the_variables_case_and_the_files_keys_are_matched(
+        tmp_path: Path) -> None:
+    """A spawn's ``env`` and a model's ``groups`` are the user's names: their case is the
+    variable's (or the file's, when the file has the key in another case)."""
+    path = tmp_path / "c.toml"
+    path.write_text('[gateway]\nlisten = "127.0.0.1:8080"\n[[models]]\nname = "m"\n'
+                    'groups = { Canary = "m-old" }\n[[backends]]\nname = "s"\n'
+                    'group = "Stable"\n[backends.spawn]\nmodel = "x"\nport = 8100\n'
+                    '[[backends]]\nname = "c"\ngroup = "Canary"\nurl = "http://127.0.0.1:1"\n')
+    config = load(path, {"VGW_BACKENDS__0__SPAWN__ENV__VLLM_USE_V1": "0",
+                         "VGW_MODELS__0__GROUPS__CANARY": "m-new",
+                         "VGW_MODELS__0__GROUPS__Stable": "m-stable"})
+    spawn = config.backends[0].spawn
+    assert spawn is not None and spawn.env == {"VLLM_USE_V1": "0"}
+    assert config.models[0].groups == {"Canary": "m-new", "Stable": "m-stable"}
+
+
+@pytest.mark.parametrize("name", ["VGW_REDIS_URL", "VGW_GATEWAY_LISTEN", "VGW_routing_policy"])
+def test_a_setting_written_with_one_underscore_is_an_error_not_ignored(
+        tmp_path: Path, name: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[gateway]\nlisten = "127.0.0.1:8080"\n[[backends]]\nname = "a"\n'
+                    'url = "http://127.0.0.1:1"\n')
+    with pytest.raises(ConfigError) as caught:
+        load(path, {name: "x", "VGW_MY_SECRET": "kept for env:VGW_MY_SECRET",
+                    "VGW_ADMIN_KEY": "the admin client's"})
+    assert caught.value.problems == [
+        f"{name}: not a setting: a section and its key are joined by two underscores "
+        f"(VGW_{name[4:].split('_', 1)[0]}__{name[4:].split('_', 1)[1]})"]
