@@ -76,6 +76,6 @@ class Policy(Protocol):
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend: ...
 
-    def rewind(self) -> None:
-        """Take back the last ``choose``: its choice was not used (the session turned out
+    def rewind(self, choice: Backend) -> None:
+        """Take back a ``choose`` that chose ``choice``: it was not used (the session turned out
         to be pinned already), so the policy's rotation must not count it."""

@@ -145,7 +145,7 @@ class Router:
             self._sticky.labels("miss").inc()
             self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1
             return choice
-        self._pin_policy.rewind()
+        self._pin_policy.rewind(choice)
         if not answered:
             self._sticky.labels("fallback").inc()
             fallback = rendezvous(key.encode(), candidates)

@@ -26,5 +26,5 @@ class LeastLoaded:
         tied = [b for b in candidates if _load(b) == low]
         return self._turns.choose(tied)
 
-    def rewind(self) -> None:
-        self._turns.rewind()
+    def rewind(self, choice: Backend) -> None:
+        self._turns.rewind(choice)

@@ -44,5 +44,5 @@ class PrefixAware:
         order = ranked(prompt_head(request.payload, self._chars), candidates)
         return next((b for b in order if b.in_flight < cap), order[0])
 
-    def rewind(self) -> None:
+    def rewind(self, choice: Backend) -> None:
         """Nothing to take back: the choice depends only on the prompt and the loads."""
