@@ -113,13 +113,14 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="of the random weights")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args()
     if (args.out / "model.safetensors").exists() and not args.force:
         print(f"{args.out}: already built")
         return 0
     started = time.time()
-    build(args.out, hidden=args.hidden, layers=args.layers)
+    build(args.out, hidden=args.hidden, layers=args.layers, seed=args.seed)
     print(f"{args.out}: built in {time.time() - started:.1f} s")
     return 0
 

@@ -13,18 +13,19 @@ from tests.helpers import Gateway, free_port
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = REPO / "models" / "tiny-llama"
+SMALL = REPO / "models" / "tiny-llama-small"  # another model: other weights, smaller
 STARTUP = 600
 # The Responses API keeps stored responses only with this on (vLLM 0.32, vllm/envs.py).
 ENV = 'VLLM_CPU_KVCACHE_SPACE = "1", VLLM_ENABLE_RESPONSES_API_STORE = "1"'
 
 
-def vllm_backend(name: str, core: int) -> str:
+def vllm_backend(name: str, core: int, model: Path = MODEL, served: str = "tiny-llama") -> str:
     return f"""
 [[backends]]
 name = "{name}"
 [backends.spawn]
-model = "{MODEL}"
-served_model_name = "tiny-llama"
+model = "{model}"
+served_model_name = "{served}"
 port = {free_port()}
 python = "{PYTHON}"
 args = ["--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager"]
