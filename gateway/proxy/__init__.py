@@ -39,12 +39,12 @@ from gateway.http.sink import Hangup
 from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
 from gateway.observability.tracing import Tracing
-from gateway.proxy.opener import Opener, result_of
+from gateway.proxy.opener import Opener, busy_reply, result_of
 from gateway.proxy.parse import RequestParser
-from gateway.proxy.relay import Relay, header
+from gateway.proxy.relay import Relay
 from gateway.proxy.rescue import Rescue
 from gateway.proxy.resume import Resume
-from gateway.resilience.attempt import Attempt, Failed, Next, judge, note_busy, retriable, settled
+from gateway.resilience.attempt import Attempt, Failed, Next, judge, retriable, settled
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.degraded import Degraded
 from gateway.resilience.retry import RetryBudget, backoff
@@ -321,12 +321,10 @@ class Proxy:
         """The attempt's verdict (``judge``): a busy backend is skipped for its Retry-After,
         a retry is paid for only when the result is retriable, and a settled outcome is told
         to the breaker at once (the others when the relay ends)."""
-        busy = False
         result, cause = result_of(reply)
         if isinstance(result, int):
-            assert reply is not None and not isinstance(reply, GatewayError)
             ticket.status = result
-            busy = note_busy(result, header(reply.headers, b"retry-after"), ticket.backend)
+        busy = busy_reply(reply, ticket.backend)
         retry = retriable(result) and self._may_retry(
             record, tried, n, "connect" if result is Failed.CONNECT else str(result))
         outcome, step = judge(result, busy, retry)

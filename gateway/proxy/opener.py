@@ -10,7 +10,8 @@ from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
 from gateway.http.deadline import Deadline
 from gateway.http.headers import upstream_request_headers
 from gateway.observability.tracing import Tracing
-from gateway.resilience.attempt import Failed
+from gateway.proxy.relay import header
+from gateway.resilience.attempt import Failed, note_busy
 from gateway.routing.pool import BackendPool
 from gateway.routing.responses import ResponsePins
 from gateway.types import Record
@@ -30,6 +31,13 @@ def result_of(reply: Reply) -> tuple[int | Failed, str]:
         failed = Failed.TIMEOUT if isinstance(reply, UpstreamTimeout) else Failed.BROKEN
         return failed, reply.message
     return reply.status, f"status {reply.status}"
+
+
+def busy_reply(reply: Reply, backend: Backend) -> bool:
+    """A 429/503 reply with Retry-After: its backend is skipped that long (``note_busy``)."""
+    if reply is None or isinstance(reply, GatewayError):
+        return False
+    return note_busy(reply.status, header(reply.headers, b"retry-after"), backend)
 
 
 class Opener:

@@ -22,9 +22,9 @@ from gateway.errors import GatewayError
 from gateway.http.deadline import Deadline
 from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
-from gateway.proxy.opener import Opener, Reply, result_of
-from gateway.proxy.relay import Relay, header
-from gateway.resilience.attempt import Attempt, Failed, judge, note_busy, stepped_out
+from gateway.proxy.opener import Opener, Reply, busy_reply, result_of
+from gateway.proxy.relay import Relay
+from gateway.resilience.attempt import Attempt, Failed, judge, stepped_out
 from gateway.resilience.breaker import Ticket
 from gateway.resilience.resume import Partial, Seam, continuation, eligible, fold
 from gateway.resilience.sse import DONE
@@ -150,9 +150,8 @@ class Resume:
         """A continuation that got no stream, judged as any attempt (a 4xx or a 429 does not
         count against the backend); "" when another backend may try (no reply, a 5xx, a
         429), else why not (the request itself was refused: another would refuse it too)."""
-        busy = False
+        busy = busy_reply(reply, ticket.backend)
         if reply is not None and not isinstance(reply, GatewayError):
-            busy = note_busy(reply.status, header(reply.headers, b"retry-after"), ticket.backend)
             await reply.aclose(reuse=False)
         outcome, _ = judge(result, busy)
         ticket.done(outcome, f"continuation: {cause}")
