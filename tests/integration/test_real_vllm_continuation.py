@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(STARTUP + 300)
 # Long enough that the instance cannot have sent the whole answer before the kill lands,
 # with the prompt inside the instances' --max-model-len of 1024.
 MAX_TOKENS = 900
-KILL_AFTER = 2
+KILL_AFTER = 2  # the kill as the third chunk arrives
 SEAM = re.compile(r"stream continued (\w+) -> (\w+) at char (\d+) \(token (\d+)\)")
 
 
@@ -109,9 +109,11 @@ def test_a_stream_whose_instance_is_killed_is_finished_by_the_other(
     assert len(whole) > 200
     before = metric(gw.url, "gateway_stream_continuations_total", outcome="completed")
     mark = len(gw.proc.output())
+    restarts = {name: b["restarts"] for name, b in status(gw).items()}
     received, ids, victim = streamed(gw, chat, kill_after=KILL_AFTER)
     notes = re.compile(r"stream (?:continued|not continued|dropped)[^\n]*")
-    wait_for(lambda: notes.search(gw.proc.output(), mark), 30, "a note on the broken stream")
+    wait_for(lambda: notes.search(gw.proc.output(), mark), 30, "a note on the broken stream",
+             every=0.2)
     log = gw.proc.output()[mark:]
     seams = [m for m in SEAM.finditer(log) if m.group(1) == victim]
     assert seams, notes.findall(log)
@@ -129,4 +131,5 @@ def test_a_stream_whose_instance_is_killed_is_finished_by_the_other(
     print(f"{'chat' if chat else 'completions'}: seam at char {at} (token {tokens}) of "
           f"{len(received)}; equal to the uninterrupted answer: {received == whole}; "
           f"first difference at char {apart}")
-    wait_for(lambda: both_serve(gw), STARTUP, "the victim back", every=1.0)
+    wait_for(lambda: status(gw)[victim]["restarts"] > restarts[victim] and both_serve(gw),
+             STARTUP, "the victim restarted and serving", every=1.0)
