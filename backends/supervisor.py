@@ -134,14 +134,15 @@ class Supervisor:
         """Where the wrapper writes its command's process group (see backends.family)."""
         return Path(self._settings.log_dir) / f"{self.backend.name}.family"
 
-    def start(self) -> None:
-        """Start (or, after failed/stopped, restart) the run loop."""
+    def start(self) -> bool:
+        """Start (or, after failed/stopped, restart) the run loop; False when it runs."""
         if self._task is not None and not self._task.done():
-            return
+            return False
         self._stopping = False
         self._crashes.clear()
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"supervise {self.backend.name}")
+        return True
 
     async def stop(self) -> None:
         await self._halt()

