@@ -73,7 +73,7 @@ def test_an_alias_is_rewritten_in_every_event_of_a_stream(alias: Gateway, route:
         chunks = list(client.completions.create(
             model="llama", prompt="hello", max_tokens=8, stream=True,
             stream_options={"include_usage": True}))
-    assert len(chunks) >= 3
+    assert len(chunks) >= 2  # text and usage: vLLM may send several tokens in one event
     assert {c.model for c in chunks} == {"llama"}
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
