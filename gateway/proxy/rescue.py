@@ -33,7 +33,7 @@ class Rescue:
         """No attempt was relayed: an earlier reply, the fallback model, the static reply,
         the error, or 503."""
         model = record.fallback_of or record.request.model
-        if not tried and not self._pool.known_model(model):
+        if not tried and not (self._pool.known_model(model) or self._pool.declared(model)):
             raise ModelNotFound(f"The model `{model}` does not exist.")
         why = (failure.message if failure else
                f"no backend for model {model!r} could be reached" if tried else

@@ -15,6 +15,12 @@ class ModelNames:
         self._served = {(r.name, g): s for r in routes for g, s in r.groups.items()}
         self._client = {(g, s): r.name for r in routes for g, s in r.groups.items()}
         self._fallback = {r.name: r.fallback for r in routes if r.fallback}
+        self._declared = frozenset(
+            [r.name for r in routes] + [r.fallback for r in routes if r.fallback])
+
+    def declares(self, model: str) -> bool:
+        """``model`` is a ``[[models]]`` entry's name, or the fallback one names."""
+        return model in self._declared
 
     def fallback(self, model: str) -> str | None:
         """The smaller model that answers for ``model`` when none of its backends can."""

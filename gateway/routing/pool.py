@@ -48,7 +48,19 @@ class BackendPool:
                 if b.routable and self._serves(b, model, group) and not self.allows(b)]
 
     def known_model(self, model: str, group: str | None = None) -> bool:
+        """Some backend (in ``group`` when given) has said it serves ``model``."""
         return any(self._serves(b, model, group) for b in self.backends)
+
+    def declared(self, model: str) -> bool:
+        """The config names ``model`` (a ``[[models]]`` entry, or what a spawned backend
+        serves), whether or not a backend has answered for it yet: a request for it gets
+        the degraded answers (reply cache, fallback model, static reply) or a 503, never
+        the 404 of a model that does not exist."""
+        names = self.names
+        return names.declares(model) or any(
+            b.spec.spawn is not None
+            and names.client(b.spec.group, b.spec.spawn.name_served) == model
+            for b in self.backends)
 
     def models(self) -> list[str]:
         """The union of models over routable backends, by the names clients use."""
