@@ -42,6 +42,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gateway import workers
     from gateway.errors import StreamAborted
+    from gateway.http.server import DescriptorLimit, connection_cap
 
     config = _load_or_exit(args.config, args.listen)
     logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
@@ -50,6 +51,11 @@ def _serve(args: argparse.Namespace) -> int:
                     "any client")
     if config.gateway.admin_key is None:
         log.warning("no [gateway] admin_key: the admin API answers loopback clients only")
+    try:  # the soft limit is raised here, for the workers and backends to inherit
+        connection_cap(config.gateway.max_connections)
+    except DescriptorLimit as exc:
+        log.error("cannot serve: %s", exc)
+        return 1
     path = str(Path(args.config).resolve())
     processes = config.gateway.processes
     if processes > 1:

@@ -20,7 +20,7 @@ from gateway.admin.reload import background
 from gateway.build import Parts, SharedState
 from gateway.config import Config
 from gateway.control.role import Kind
-from gateway.http.server import REFUSED
+from gateway.http.server import EVICTED, REFUSED
 from gateway.state.embedded import EmbeddedRedisError, EmbeddedValkey, refuse_to_start
 
 log = logging.getLogger("gateway")
@@ -38,7 +38,8 @@ class Lifespan:
             if self._parts.shared is not None:
                 await stack.enter_async_context(self._shared_state(self._parts.shared))
             await stack.enter_async_context(self._backends())
-            yield {REFUSED: self._parts.metrics.connections_refused}
+            yield {REFUSED: self._parts.metrics.connections_refused,
+                   EVICTED: self._parts.metrics.connections_evicted}
 
     @contextlib.asynccontextmanager
     async def _shared_state(self, shared: SharedState) -> AsyncIterator[None]:

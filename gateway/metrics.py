@@ -73,6 +73,10 @@ class Metrics:
         self.connections_refused = counter(
             "gateway_connections_refused_total", "Client connections closed at once because "
             "the process held gateway.max_connections")
+        self.connections_evicted = counter(
+            "gateway_connections_evicted_total", "Idle client connections (nothing sent yet, "
+            "or kept alive between requests) closed to make room for a new one at "
+            "gateway.max_connections")
         self.in_flight = gauge("gateway_in_flight", "Requests in flight per backend",
                                ("backend",), "livesum")
         self.backend_state = gauge(

@@ -7,9 +7,19 @@ deadline runs from the connection's start, or on a kept-alive connection from th
 byte of the next request (idle between requests is uvicorn's keep-alive timeout), to the end
 of the headers; past it the client gets a 408 (or, if it sent nothing, just the close) and
 the connection is closed. Header bytes are counted as they arrive, before httptools buffers
-them: past the cap the client gets a 431 and nothing more is read (lingering a moment, so
-that the answer is not lost to a reset). A connection over the process's cap gets a 503
-with Retry-After and is closed at once, with a log line (at most one a second).
+them: past the cap the client gets a 431 and nothing more is read.
+
+A new connection over the process's cap first closes the connection that has been idle the
+longest (one that has sent nothing yet, or is kept alive between requests: closing it loses
+no request, as nginx reuses its idle connections); when none is idle it gets a 503 with
+Retry-After. Both are logged (at most once a second) and counted.
+
+Every answer that closes a connection whose client may still be sending (a refusal, a 413
+on a declared length, a body timeout: ``Guarded.linger``) closes the way nginx does: the
+write side is shut after the answer, what the client still sends is read and dropped until
+it stops for LINGER seconds or LINGER_MAX passes, then the socket is closed. Closing with
+unread data makes the kernel send a reset, which destroys the answer before the client
+reads it.
 
 granian (2.8) sets the first two and caps connections by not accepting, but serves only
 sockets it binds itself (the control process hands its workers one bound socket), and its
@@ -33,7 +43,10 @@ from gateway.http.sink import CONNECTION
 log = logging.getLogger("gateway.server")
 
 END_OF_HEADERS = b"\r\n\r\n"
-RESERVED_FDS = 256  # descriptors kept for Redis, probes, logs, files
+# Descriptors kept for Redis, probes, logs, files and lingering refusals: a quarter of the
+# limit, between these bounds; each client connection may hold an upstream one too.
+RESERVED_FDS = (64, 256)
+MIN_CONNECTIONS = 32  # a descriptor limit that allows fewer cannot serve: a start-up error
 
 
 def _reply(status: bytes, message: str, kind: str, code: str, extra: bytes = b"") -> bytes:
@@ -51,18 +64,20 @@ MALFORMED = _reply(b"400 Bad Request", "malformed HTTP request", "invalid_reques
                    "malformed_request")
 FULL = _reply(b"503 Service Unavailable", "too many open connections; retry shortly",
               "server_error", "too_many_connections", b"retry-after: 1\r\n")
-# After refusing a request, what the client still sends is read and dropped for this long
-# before the close: closing with unread data makes the kernel send a reset, which can
-# destroy the answer before the client reads it (nginx's lingering close).
+# After an answer that closes, what the client still sends is read and dropped until it
+# stops this long, and at most LINGER_MAX in all (nginx: lingering_timeout, lingering_time).
 LINGER = 2.0
+LINGER_MAX = 30.0
 REFUSED = "vgw.connections_refused"  # the lifespan's state: the metric counting refusals
+EVICTED = "vgw.connections_evicted"  # ... and the one counting idle connections closed
 
 
-def connection_cap(configured: int) -> int:
-    """``configured``, or for 0 what the descriptor limit allows: each client connection may
-    hold one upstream connection too. The soft limit is raised to the hard one first."""
-    if configured:
-        return configured
+class DescriptorLimit(Exception):
+    """The process may not open enough descriptors to serve."""
+
+
+def _raised_limit() -> int:
+    """The soft descriptor limit, raised to the hard one first where allowed."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         wanted = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
@@ -71,7 +86,60 @@ def connection_cap(configured: int) -> int:
             soft = wanted
         except (ValueError, OSError):
             pass
-    return max(16, (soft - RESERVED_FDS) // 2)
+    return soft
+
+
+def connection_cap(configured: int, limit: int | None = None) -> int:
+    """Client connections one process holds: what the descriptor limit (this process's,
+    raised first, unless ``limit`` is given) allows, each client connection holding one
+    upstream connection too, beside a reserve; or ``configured`` when lower. Raises
+    DescriptorLimit, naming the limit, when it allows too few."""
+    limit = _raised_limit() if limit is None else limit
+    reserve = min(max(limit // 4, RESERVED_FDS[0]), RESERVED_FDS[1])
+    fits = (limit - reserve) // 2
+    if fits < MIN_CONNECTIONS:
+        need = RESERVED_FDS[0] + 2 * MIN_CONNECTIONS
+        raise DescriptorLimit(
+            f"the open-files limit (RLIMIT_NOFILE) is {limit}: too low to serve; the gateway "
+            f"needs at least {need} (raise it, e.g. ulimit -n 65536)")
+    if configured > fits:
+        log.warning("gateway.max_connections = %d needs about %d descriptors; the open-files "
+                    "limit is %d, so this process holds at most %d connections",
+                    configured, 2 * configured + reserve, limit, fits)
+    return min(configured, fits) if configured else fits
+
+
+class _Door:
+    """What one server's connections share: the idle ones, oldest first, and the refused
+    ones lingering (their number bounded, each holds a descriptor)."""
+
+    __slots__ = ("idle", "lingering", "logged")
+
+    def __init__(self) -> None:
+        self.idle: dict[Guarded, None] = {}
+        self.lingering = 0
+        self.logged = 0.0
+
+    def log(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.logged >= 1.0:
+            self.logged = now
+            log.error(message, *args)
+
+
+class _ClosingLingers:
+    """The transport as a request's cycle sees it once ``Guarded.linger`` was called: its
+    close lingers; the rest is the transport's."""
+
+    def __init__(self, protocol: Guarded) -> None:
+        self._protocol = protocol
+        self._transport = protocol.transport
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class Guarded(HttpToolsProtocol):
@@ -80,15 +148,18 @@ class Guarded(HttpToolsProtocol):
     header_timeout = 10.0
     max_header_bytes = 64 * 1024
     max_connections = 1024
-    _refused_logged = 0.0
+    door = _Door()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._reading_headers = True
         self._refused = False
+        self._turned_away = False
         self._header_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
         self._hangup: Callable[[], None] | None = None
+        self._heard = 0.0  # while lingering: when the client last sent something
+        self._linger_ends = 0.0
 
     def on_hangup(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` if the client hangs up before the current response ends
@@ -96,25 +167,49 @@ class Guarded(HttpToolsProtocol):
         self._hangup = callback
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections:
-            now = time.monotonic()
-            if now - Guarded._refused_logged >= 1.0:
-                Guarded._refused_logged = now
-                log.error("connection refused: %d open connections, the cap "
-                          "(gateway.max_connections)", len(self.connections))
-            refused = self.app_state.get(REFUSED)
-            if refused is not None:
-                refused.inc()
-            transport.write(FULL)
-            transport.close()
+        if len(self.connections) >= self.max_connections and not self._make_room():
+            self._turn_away(transport)
             return
         super().connection_made(transport)
+        self.door.idle[self] = None
         self._arm()  # a client that connects and sends nothing is closed too
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.transport is None:  # refused in connection_made
+    def _make_room(self) -> bool:
+        """Close the connection idle the longest, if any: it has no request to lose."""
+        door = self.door
+        if not door.idle:
+            return False
+        oldest = next(iter(door.idle))
+        del door.idle[oldest]
+        oldest.transport.close()
+        self.connections.discard(oldest)  # its connection_lost comes later; the room is now
+        door.log("idle connection closed to make room: %d open connections, the cap "
+                 "(gateway.max_connections)", len(self.connections))
+        if (evicted := self.app_state.get(EVICTED)) is not None:
+            evicted.inc()
+        return True
+
+    def _turn_away(self, transport: asyncio.Transport) -> None:
+        """503 with Retry-After: every connection is busy."""
+        door = self.door
+        self.transport, self._turned_away = transport, True
+        door.log("connection refused: %d open connections, the cap (gateway.max_connections)",
+                 len(self.connections))
+        if (refused := self.app_state.get(REFUSED)) is not None:
+            refused.inc()
+        if door.lingering >= max(8, self.max_connections // 8):
+            transport.write(FULL)  # too many lingering already: their descriptors are few
+            transport.close()
             return
+        door.lingering += 1
+        self._answer(FULL)
+
+    def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._turned_away:
+            self.door.lingering -= 1
+            return
+        self.door.idle.pop(self, None)
         super().connection_lost(exc)
         hangup, self._hangup = self._hangup, None
         if hangup is not None:
@@ -133,34 +228,71 @@ class Guarded(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._header_bytes:
-            self._refuse(TOO_SLOW)
+            self._answer(TOO_SLOW)
         else:
             self.transport.close()
 
-    def _refuse(self, reply: bytes) -> None:
-        """Answer, then drop what the client still sends until LINGER ends."""
+    def linger(self) -> None:
+        """The response about to be sent closes the connection while the client may still
+        be sending its body (413, 408): the close lingers (``close_lingering``)."""
+        if self.cycle is not None:
+            self.cycle.transport = _ClosingLingers(self)  # type: ignore[assignment]
+
+    def _answer(self, reply: bytes) -> None:
+        """Answer the gateway's own refusal, then close lingering."""
+        self.transport.write(reply)
+        self.close_lingering()
+
+    def close_lingering(self) -> None:
+        """Shut the write side (the answer is whole), drop what the client still sends, and
+        close once it has stopped for LINGER, has finished, or LINGER_MAX has passed."""
         self._disarm()
         self._reading_headers = False
         self._refused = True
-        self.transport.write(reply)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.loop.call_later(LINGER, self.transport.close)
+        self.door.idle.pop(self, None)
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        if self.flow is not None:  # uvicorn paused reading: a body it was not asked for
+            self.flow.resume_reading()
+        self._heard = now = self.loop.time()
+        self._linger_ends = now + LINGER_MAX
+        self._deadline = self.loop.call_later(LINGER, self._lingered)
+
+    def _lingered(self) -> None:
+        now = self.loop.time()
+        quiet_until = self._heard + LINGER
+        if now < quiet_until and now < self._linger_ends:
+            self._deadline = self.loop.call_later(
+                min(quiet_until, self._linger_ends) - now, self._lingered)
+            return
+        self._deadline = None
+        self.transport.close()
+
+    def eof_received(self) -> None:
+        if self._refused:  # the client has sent all it will: the lingering is over
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         """httptools refused the bytes: the answer in the OpenAI error format too."""
-        self._refuse(MALFORMED)
+        self._answer(MALFORMED)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            self._heard = self.loop.time()
             return
         if self._reading_headers:
             if self._deadline is None:  # a kept-alive connection's next request
+                self.door.idle.pop(self, None)
                 self._arm()
+            elif not self._header_bytes:
+                self.door.idle.pop(self, None)
             end = data.find(END_OF_HEADERS)
             self._header_bytes += len(data) if end < 0 else end
             if self._header_bytes > self.max_header_bytes:
-                self._refuse(TOO_BIG)
+                self._answer(TOO_BIG)
                 return
         super().data_received(data)
 
@@ -174,17 +306,21 @@ class Guarded(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._hangup = None
+        pipelined = bool(self.pipeline)
         super().on_response_complete()
+        if self._refused:  # closing, lingering
+            return
         # Idle until the next request is uvicorn's keep-alive timeout; its headers'
         # deadline starts with its first byte.
         self._reading_headers = True
         self._header_bytes = 0
-
+        if not pipelined and not self.transport.is_closing():
+            self.door.idle[self] = None
 
 
 def guarded(header_timeout: float, max_header_bytes: int,
             max_connections: int) -> type[Guarded]:
     """The protocol class for uvicorn.Config(http=...) with these limits."""
     limits = {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes,
-              "max_connections": max_connections}
+              "max_connections": max_connections, "door": _Door()}
     return type("Guarded", (Guarded,), limits)

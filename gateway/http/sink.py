@@ -25,6 +25,15 @@ from backends.asgi import cancel_on_disconnect
 CONNECTION = "vllm_gateway.connection"  # the scope's extension: the serving protocol
 
 
+def close_lingering(scope: Scope) -> None:
+    """The reply about to be sent closes the connection before the client's body was read
+    (413, 408): read and drop the rest first, so that a client still writing gets the reply
+    instead of a reset (``gateway.http.server.Guarded.linger``)."""
+    connection = scope.get("extensions", {}).get(CONNECTION)
+    if connection is not None:
+        connection.linger()
+
+
 class Hangup:
     """Cancels the calling task when the client hangs up before the response ended; the
     caller calls ``cancel`` when it is done. ``done()`` tells whether the client left."""

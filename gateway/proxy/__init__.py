@@ -35,7 +35,7 @@ from gateway.http.asgi import (
     send_error,
 )
 from gateway.http.deadline import Deadline
-from gateway.http.sink import Hangup
+from gateway.http.sink import Hangup, close_lingering
 from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
 from gateway.observability.tracing import Tracing
@@ -168,6 +168,7 @@ class Proxy:
             deadline.cancel()
             error: GatewayError = PayloadTooLarge(f"request body exceeds {self._max_body} bytes")
             extra = [CLOSE]
+            close_lingering(scope)
         except Overloaded as exc:
             self._held.give(held)
             deadline.cancel()
@@ -178,6 +179,7 @@ class Proxy:
                 raise
             error = RequestTimeout(f"request body not received within {self._body_timeout:g} s")
             extra = [CLOSE]
+            close_lingering(scope)
         await send_error(send, error, rid, extra)
         self._log.rejected(rid, scope["path"], error.status,
                            asyncio.get_running_loop().time() - begun)

@@ -5,7 +5,9 @@ headers this slowly or this large on purpose."""
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -134,57 +136,138 @@ def test_headers_within_the_cap_and_a_large_body_pass(gw: Gateway) -> None:
     assert reply.status_code == 200, reply.text
 
 
-def test_connections_over_the_cap_get_a_503_not_a_silent_reset(tmp: Path, sim: Sim) -> None:
+def test_a_client_still_uploading_reads_its_413(gw: Gateway) -> None:
+    """An honest Content-Length of 50 MB (limit 16 MiB), sent at once by a client that
+    writes its whole request before it reads: the 413 comes before the body is read, and the
+    gateway reads and drops the rest before it closes, so the upload ends and the client
+    reads the 413 (a close with unread data resets the upload, and many clients then never
+    read the answer)."""
+    size, piece = 50_000_000, b"x" * 65536
+    for _ in range(3):
+        sock = connect(gw)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"content-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % size)
+        for start in range(0, size, len(piece)):
+            sock.sendall(piece[:size - start])  # a reset would raise here
+        reply = read_all(sock)
+        assert reply.startswith(b"HTTP/1.1 413 "), reply[:80]
+        assert b"connection: close" in reply
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == \
+            "payload_too_large"
+
+
+def capped(tmp: Path, sim: Sim) -> Gateway:
     gw = Gateway(tmp, "max_connections = 8\nheader_timeout = 30\n" + backend_toml("a", sim.url),
                  name="capped")
+    wait_for(lambda: http_ok(gw.url + "/readyz"), 10, "capped gateway ready")
+    return gw
+
+
+def counted(gw: Gateway, name: str) -> float:
+    metrics = httpx.get(gw.url + "/metrics").text
+    return float(next(ln for ln in metrics.splitlines() if ln.startswith(name + " ")).split()[1])
+
+
+def test_a_new_connection_past_the_cap_closes_the_oldest_idle_one(tmp: Path, sim: Sim) -> None:
+    gw = capped(tmp, sim)
     try:
-        held = [connect(gw) for _ in range(8)]
-        wait_for(lambda: "connection refused" in _try_one(gw), 10, "a refusal past the cap")
-        refused = connect(gw)
-        reply = read_all(refused)
-        assert reply.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in reply
-        assert "connection refused: 8 open connections" in gw.proc.output()
-        for s in held:
-            s.close()
-        wait_for(lambda: http_ok(gw.url + "/healthz"), 10, "served again below the cap")
-        metrics = httpx.get(gw.url + "/metrics").text
-        line = next(ln for ln in metrics.splitlines()
-                    if ln.startswith("gateway_connections_refused_total "))
-        assert float(line.split()[1]) >= 2  # the waited-for refusal and the one read
+        idle = [connect(gw) for _ in range(8)]  # connected, nothing sent
+        wait_for(lambda: counted(gw, "gateway_connections_evicted_total") >= 1, 10,
+                 "the cap reached (each probe closes the oldest idle connection)")
+        body = {"model": "sim-model", "max_tokens": 1,
+                "messages": [{"role": "user", "content": "x"}]}
+        for _ in range(3):
+            reply = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10)
+            assert reply.status_code == 200, reply.text
+        assert read_all(idle[0]) == b""  # the oldest was closed, having lost nothing
+        assert "idle connection closed to make room" in gw.proc.output()
+        assert counted(gw, "gateway_connections_refused_total") == 0
     finally:
         gw.stop()
 
 
-def test_a_low_descriptor_limit_answers_503_instead_of_a_reset(tmp: Path, sim: Sim) -> None:
-    """128 descriptors: the derived cap (16 connections) refuses in words, before accept()
-    could fail for want of a descriptor and the kernel reset the client."""
-    port = free_port()
-    config = tmp / "fds.toml"
-    config.write_text(f'[gateway]\nlisten = "127.0.0.1:{port}"\nworkers = 1\n'
-                      f'[redis]\ndata_dir = "{tmp / "fds-valkey"}"\n' + backend_toml("a", sim.url))
-    log = open(tmp / "fds.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: (
-                                resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))))
-    url = f"http://127.0.0.1:{port}"
+def test_connections_over_the_cap_get_a_503_not_a_silent_reset(tmp: Path, sim: Sim) -> None:
+    """Eight connections busy sending their headers, none idle: a ninth gets the 503 even
+    when its request is already waiting in the socket as the gateway accepts it (the
+    gateway is stopped while it connects and sends), which a plain close would reset."""
+    gw = capped(tmp, sim)
     try:
-        wait_for(lambda: http_ok(url + "/healthz"), 20, "gateway up")
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(150)]
+        busy = [connect(gw) for _ in range(8)]
+        for s in busy:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        wait_for(lambda: "connection refused" in _try_one(gw), 10, "a refusal past the cap")
+        for _ in range(3):
+            os.kill(gw.proc.popen.pid, signal.SIGSTOP)
+            try:
+                waiting = connect(gw)  # the kernel completes the handshake meanwhile
+                waiting.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            finally:
+                os.kill(gw.proc.popen.pid, signal.SIGCONT)
+            reply = read_all(waiting)
+            assert reply.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in reply, reply
+            code = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"]
+            assert code == "too_many_connections"
+        assert "connection refused: 8 open connections" in gw.proc.output()
+        for s in busy:
+            s.close()
+        wait_for(lambda: http_ok(gw.url + "/healthz"), 10, "served again below the cap")
+        assert counted(gw, "gateway_connections_refused_total") >= 4
+    finally:
+        gw.stop()
+
+
+def serve_limited(tmp: Path, sim: Sim, name: str, limit: int) -> tuple[subprocess.Popen[bytes],
+                                                                        int, Path]:
+    """The gateway in its default process model under a descriptor limit of ``limit``."""
+    port = free_port()
+    config = tmp / f"{name}.toml"
+    config.write_text(f'[gateway]\nlisten = "127.0.0.1:{port}"\n'
+                      f'[redis]\ndata_dir = "{tmp / f"{name}-valkey"}"\n'
+                      + backend_toml("a", sim.url))
+    log = tmp / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+            stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    return proc, port, log
+
+
+def test_idle_connections_past_a_low_descriptor_limit_cost_a_request_nothing(
+    tmp: Path, sim: Sim,
+) -> None:
+    """The issue 36 case: 256 descriptors, the default process model, 296 connections that
+    send nothing, then requests: each is answered (an idle connection makes room), none
+    reset; the limit does not end the gateway either."""
+    proc, port, log = serve_limited(tmp, sim, "fds", 256)
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "sim-model", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    try:
+        wait_for(lambda: http_ok(url + "/readyz"), 30, "gateway ready")
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(296)]
         replies = []
         for _ in range(5):
             try:
-                replies.append(httpx.get(url + "/healthz", timeout=5).status_code)
+                replies.append(httpx.post(url + "/v1/chat/completions", json=body,
+                                          timeout=5).status_code)
             except httpx.TransportError as exc:  # a reset: what must not happen
                 replies.append(repr(exc))
-        assert replies == [503] * 5
-        assert "connection refused: 16 open connections" in (tmp / "fds.log").read_text()
+        assert replies == [200] * 5
+        assert "idle connection closed to make room" in log.read_text()
+        assert "Too many open files" not in log.read_text()
         for s in held:
             s.close()
-        wait_for(lambda: http_ok(url + "/healthz"), 10, "served again")
     finally:
         proc.terminate()
         proc.wait(20)
-        log.close()
+
+
+def test_a_descriptor_limit_too_low_to_serve_is_a_start_up_error(tmp: Path, sim: Sim) -> None:
+    proc, _, log = serve_limited(tmp, sim, "fds-low", 100)
+    assert proc.wait(30) == 1
+    assert ("the open-files limit (RLIMIT_NOFILE) is 100: too low to serve; the gateway needs "
+            "at least 128") in log.read_text()
 
 
 def _try_one(gw: Gateway) -> str:
