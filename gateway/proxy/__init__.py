@@ -84,7 +84,7 @@ class Proxy:
         self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
         if config.resilience.continue_streams != "off":
             self._relay.resume = Resume(config.resilience, config.upstream, router, self._open,
-                                        self._relay, metrics, self._tally.attempt, tracing)
+                                        self._relay, metrics, self._attempt_ended, tracing)
         self._metrics = metrics
         self._router = router
         self._budget = RetryBudget(config.upstream.retry_budget_ratio,
@@ -135,10 +135,8 @@ class Proxy:
             deadline.cancel()
             self._held.give(len(body))
             if record is not None:
-                if record.placed:
-                    self._queue.give(record.tenant)  # the place it held: the next one goes
-                    if not self._queue.idle:
-                        self._queue.freed()
+                if record.placed:  # the tenant's share; its last attempt woke the next one
+                    self._queue.give(record.tenant)
                 self._gate.done(record, admitting)
                 self._log.done(record, loop.time())
 
@@ -225,7 +223,7 @@ class Proxy:
             tried.append(ticket.backend)
             record.attempts += 1  # a fallback model's attempts count on
             self._hold(record)
-            with Attempt(ticket, request.started, self._tally.attempt):
+            with Attempt(ticket, request.started, self._attempt_ended):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 reply = await self._open(ticket.backend, record, deadline)
                 outcome, step = self._judge(reply, ticket, record, tried, n)
@@ -262,6 +260,14 @@ class Proxy:
         if ticket is None and self._to_stable(record, tried):
             ticket = await self._router.choose(record.request, record.group, tried, sticky=False)
         return ticket
+
+    def _attempt_ended(self, ticket: Ticket, started: float) -> None:
+        """An attempt's place on its backend is free (a retry moves elsewhere, or the
+        request ends): the next queued request goes now, not when this request ends. It runs
+        once this task yields, after the request's end gave back its tenant's share."""
+        self._tally.attempt(ticket, started)
+        if not self._queue.idle:
+            self._queue.freed()
 
     def _hold(self, record: Record) -> None:
         """One place per request (given back when it ends), however many attempts."""

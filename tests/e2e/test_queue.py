@@ -5,6 +5,8 @@ up leaves it at once."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Gateway, Sim, backend_toml, http_ok, metric, wait_for
+from tests.helpers import Gateway, RawBackend, Sim, backend_toml, http_ok, metric, wait_for
 
 KEYS = {"a": "tenant-a-secret", "b": "tenant-b-secret", "vip": "tenant-vip-secret"}
 HOLD = "ttft=2.0"  # a request that keeps the only place busy for a while
@@ -196,3 +198,64 @@ def test_a_session_waits_for_its_pinned_backend_within_the_bound(
             assert metric(gw.url, "gateway_sticky_total", result="repin") == 1
     finally:
         gw.stop()
+
+
+def test_a_place_freed_by_a_retry_wakes_the_queue_before_the_request_ends(tmp: Path) -> None:
+    """Two backends of one place each: X holds one and Z the other, Y waits in the queue.
+    X's backend answers 500 and X moves on (to wait for Z's backend): the place X's attempt
+    freed goes to Y at once, while X and Z are both still running (issue 37)."""
+    release_x, release_z = threading.Event(), threading.Event()
+
+    def answer(conn: socket.socket, body: bytes) -> None:
+        said = json.loads(body)["messages"][0]["content"]
+        if said == "x":
+            release_x.wait(30)
+            reply, status = b'{"error":{"message":"boom","type":"x","code":500}}', b"500 Oops"
+        else:
+            if said == "z":
+                release_z.wait(30)
+            reply, status = (b'{"id":"c","object":"chat.completion","created":1,'
+                             b'"model":"sim-model","choices":[{"index":0,"message":{"role":'
+                             b'"assistant","content":"ok"},"finish_reason":"stop"}],'
+                             b'"usage":{"prompt_tokens":1,"completion_tokens":1,'
+                             b'"total_tokens":2}}'), b"200 OK"
+        conn.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(reply) + reply)
+
+    one, two = RawBackend(answer), RawBackend(answer)
+    config = ("[health]\ninterval = 0.3\n[breaker]\nenabled = false\n"
+              + backend_toml("one", one.url, "max_concurrent = 1")
+              + backend_toml("two", two.url, "max_concurrent = 1"))
+    gw = Gateway(tmp, config, name="retrywakes")
+    done: list[str] = []
+
+    def ask(said: str) -> None:
+        reply = httpx.post(gw.url + "/v1/chat/completions", timeout=40, json={
+            "model": "sim-model", "messages": [{"role": "user", "content": said}]})
+        done.append(f"{said}:{reply.status_code}")
+
+    def in_flight() -> float:
+        return sum(metric(gw.url, "gateway_in_flight", backend=b) for b in ("one", "two"))
+
+    callers = []
+    try:
+        wait_for(lambda: http_ok(gw.url + "/readyz"), 10, "ready")
+        for said, busy in (("x", 1), ("z", 2)):
+            callers.append(threading.Thread(target=ask, args=(said,), daemon=True))
+            callers[-1].start()
+            wait_for(lambda busy=busy: in_flight() == busy, 10,  # type: ignore[misc]
+                     f"{said} on a backend")
+        callers.append(threading.Thread(target=ask, args=("y",), daemon=True))
+        callers[-1].start()
+        wait_for(lambda: depth(gw) == 1, 10, "y queued")
+        release_x.set()  # X's backend fails it; X waits for Z's backend, Y takes X's place
+        wait_for(lambda: "y:200" in done, 10, "y answered in the place x's attempt freed")
+        assert done == ["y:200"]  # X and Z still running
+    finally:
+        release_x.set()
+        release_z.set()
+        for caller in callers:
+            caller.join(40)
+        gw.stop()
+        one.stop()
+        two.stop()
