@@ -176,7 +176,8 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
 
     supervisors: dict[str, Supervisor] = {}
     workers = Workers(pool, supervisors) if role.kind is Kind.CONTROL else None
-    control = ControlLink(role.control, pool) if role.control is not None else None
+    control = (ControlLink(role.control, pool, replaced=metrics.workers_replaced)
+               if role.control is not None else None)
     settle = workers.settle if workers is not None else None
 
     def supervise(backend: Backend) -> Supervisor:
@@ -218,5 +219,6 @@ def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Br
     gateway_pid = os.getppid() if link is not None else os.getpid()  # a worker: its control
     ops = OpsRoutes(pool, status, metrics, admin.guard, admin.allowed,
                     config.gateway.public_metrics,
-                    About(__version__, started(gateway_pid), config.gateway.grafana_url))
+                    About(__version__, started(gateway_pid), config.gateway.grafana_url),
+                    link.state if link is not None else None)
     return Operators(admin, canary_admin, reloader, ops, reload, refusals)

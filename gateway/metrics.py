@@ -73,6 +73,9 @@ class Metrics:
         self.connections_refused = counter(
             "gateway_connections_refused_total", "Client connections closed at once because "
             "the process held gateway.max_connections")
+        self.workers_replaced = gauge(
+            "gateway_workers_replaced", "Serving workers the control process replaced since "
+            "it started, by why (hung: stopped reporting, killed; exited)", ("reason",), "max")
         self.connections_evicted = counter(
             "gateway_connections_evicted_total", "Idle client connections (nothing sent yet, "
             "or kept alive between requests) closed to make room for a new one at "

@@ -77,6 +77,7 @@ class Control:
         assert self._parts.workers is not None
         self._workers: Workers = self._parts.workers
         self._running: dict[int, asyncio.subprocess.Process] = {}
+        self._hung: set[int] = set()  # killed by the watchdog, not yet reaped
         self._stopping = False
 
     async def run(self) -> int:
@@ -110,9 +111,11 @@ class Control:
         env = self._worker_env(control, private)
         keepers = [asyncio.create_task(self._keep(slot, socks[slot % len(socks)], env))
                    for slot in range(self._processes)]
+        watchdog = asyncio.create_task(self._watch(), name="worker-watchdog")
         log.info("serving on %s with %d worker processes", self._config.gateway.listen,
                  self._processes)
         await stop.wait()
+        watchdog.cancel()
         await self._stop_workers(keepers)
         server.should_exit = True
         await serving
@@ -170,6 +173,27 @@ class Control:
             raise
         return socks
 
+    async def _watch(self, every: float = 1.0) -> None:
+        """Kill a worker that stopped reporting (stopped, or its loop blocked): its keeper
+        starts another on the same socket. Its own connections are reset; the other
+        workers' are untouched."""
+        workers, last = self._workers, time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            if now - last > 3 * every:  # this process was paused: nobody could report
+                workers.excuse()
+            last = now
+            for pid, seconds in workers.silent().items():
+                if pid in self._hung:
+                    continue
+                log.error("worker pid %d has not reported for %.1f s: hung, killed and "
+                          "replaced", pid, seconds)
+                self._hung.add(pid)
+                workers.replaced["hung"] += 1
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
     async def _keep(self, slot: int, sock: socket.socket, env: dict[str, str]) -> None:
         """Keep one worker running until the gateway stops."""
         while not self._stopping:
@@ -184,6 +208,10 @@ class Control:
             multiprocess.mark_process_dead(proc.pid, env[MULTIPROC_ENV])  # type: ignore[no-untyped-call]
             if self._stopping:
                 return
+            if proc.pid in self._hung:
+                self._hung.discard(proc.pid)
+            else:
+                self._workers.replaced["exited"] += 1
             log.error("worker %d (pid %d) exited with %s: starting another", slot, proc.pid,
                       code)
             if time.monotonic() - started < QUICK_EXIT:

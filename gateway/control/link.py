@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import aiohttp
 import orjson
+from prometheus_client import Gauge
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -48,14 +50,24 @@ class Forwarded(GatewayError):
 
 
 class ControlLink:
-    def __init__(self, path: str, pool: BackendPool, interval: float = 0.2) -> None:
+    def __init__(self, path: str, pool: BackendPool, interval: float = 0.2,
+                 replaced: Gauge | None = None) -> None:
         self._path = path
         self._pool = pool
         self._interval = interval
+        self._replaced = replaced  # the workers the control process replaced, by why
         self._session: aiohttp.ClientSession | None = None
         self._seen: dict[str, tuple[Backend, str]] = {}  # the remote state last adopted
         self.problems: dict[str, str | None] = {}
         self._failing = False
+        self._lost_at: float | None = None  # wall clock: the control has not answered since
+
+    def state(self) -> str:
+        """The control process as this worker sees it, for ``/readyz``."""
+        if self._lost_at is None:
+            return "reachable"
+        return (f"unreachable for {time.time() - self._lost_at:.0f} s: serving on the "
+                "backends' last known states")
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:  # opened on first use, inside the running loop
@@ -70,7 +82,11 @@ class ControlLink:
         async with self._http().post(BASE + "/control/sync", data=body,
                                      timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
             reply.raise_for_status()
-            self.adopt(orjson.loads(await reply.read())["backends"])
+            answer = orjson.loads(await reply.read())
+        self.adopt(answer["backends"])
+        if self._replaced is not None:
+            for why, count in answer.get("replaced", {}).items():
+                self._replaced.labels(why).set(count)
 
     def adopt(self, published: dict[str, dict[str, Any]]) -> None:
         for backend in self._pool.backends:
@@ -97,10 +113,12 @@ class ControlLink:
                 await self.sync_once()
                 if self._failing:
                     log.warning("control process reachable again")
-                self._failing = False
+                self._failing, self._lost_at = False, None
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
                 if not self._failing:
-                    log.error("control process unreachable: %r", exc)
+                    log.error("control process unreachable: %r; serving on the backends' "
+                              "last known states", exc)
+                    self._lost_at = time.time()
                 self._failing = True
             await asyncio.sleep(self._interval)
 

@@ -32,6 +32,12 @@ OUT_OF_ROTATION = frozenset({BackendState.DRAINING.value, BackendState.STOPPED.v
 Report = dict[str, tuple[int, str]]  # backend name -> (in flight, state as the worker sees it)
 
 
+# A worker reports every 0.2 s: one silent this long is hung (stopped, or its loop blocked),
+# and one that has not reported this long after its start never came up.
+SILENT = 5.0
+FIRST_REPORT = 60.0
+
+
 class Workers:
     """The serving workers as the control process knows them: pids and their last reports."""
 
@@ -41,16 +47,38 @@ class Workers:
         self._supervisors = supervisors  # the reloadable's own dict: a reload changes it
         self._clock = clock
         self._reports: dict[int, tuple[float, Report]] = {}
+        self._born: dict[int, float] = {}
         self.pids: set[int] = set()
+        self.replaced = {"hung": 0, "exited": 0}  # workers replaced, by why
 
     def add(self, pid: int) -> None:
         self.pids.add(pid)
+        self._born[pid] = self._clock()
 
     def forget(self, pid: int) -> None:
         """A worker ended: its requests ended with it."""
         self.pids.discard(pid)
         self._reports.pop(pid, None)
+        self._born.pop(pid, None)
         self._count()
+
+    def silent(self) -> dict[int, float]:
+        """The workers that stopped reporting (or never began), with the seconds since they
+        were last heard of."""
+        now, out = self._clock(), {}
+        for pid in self.pids:
+            report = self._reports.get(pid)
+            heard = report[0] if report is not None else self._born.get(pid, now)
+            if now - heard > (SILENT if report is not None else FIRST_REPORT):
+                out[pid] = now - heard
+        return out
+
+    def excuse(self) -> None:
+        """This process could not listen for a while (it was stopped, or its loop blocked):
+        nobody is silent for that."""
+        now = self._clock()
+        self._reports = {pid: (now, r) for pid, (_, r) in self._reports.items()}
+        self._born = dict.fromkeys(self._born, now)
 
     def hup(self) -> None:
         """Tell every worker to read the config again."""
@@ -100,7 +128,8 @@ class Workers:
     async def _sync(self, request: Request) -> Response:
         data = orjson.loads(await request.body())
         report = {name: (int(n), str(state)) for name, (n, state) in data["backends"].items()}
-        return Response(orjson.dumps({"backends": self.report(int(data["pid"]), report)}),
+        return Response(orjson.dumps({"backends": self.report(int(data["pid"]), report),
+                                      "replaced": self.replaced}),
                         media_type="application/json")
 
     def __repr__(self) -> str:

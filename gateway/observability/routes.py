@@ -55,9 +55,12 @@ class About:
 class OpsRoutes:
     def __init__(self, pool: BackendPool, status: Status, metrics: Metrics,
                  guard: Callable[[Handler], Handler], allowed: Callable[[Request], bool],
-                 public: bool = True, about: About | None = None) -> None:
+                 public: bool = True, about: About | None = None,
+                 control: Callable[[], str] | None = None) -> None:
         """``public``: /metrics, /dashboard and /readyz's detail open to anyone; else behind
-        ``guard`` (the admin key), and /readyz answers its status code alone to others."""
+        ``guard`` (the admin key), and /readyz answers its status code alone to others.
+        ``control``: a serving worker's view of its control process, in /readyz's detail."""
+        self._control = control
         self._pool = pool
         self._status = status
         self._metrics = metrics
@@ -86,6 +89,8 @@ class OpsRoutes:
         body: dict[str, object] = {"ready": ready}
         if self._public or self._allowed(request):
             body["backends"] = {b.name: b.state.value for b in self._pool.backends}
+            if self._control is not None:
+                body["control"] = self._control()
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def metrics(self, request: Request) -> Response:

@@ -195,6 +195,61 @@ def test_a_dead_worker_is_replaced_and_the_others_streams_go_on(gw: Gateway) -> 
         assert chat(client).status_code == 200
 
 
+def replaced(client: httpx.Client, why: str) -> float:
+    text = client.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'gateway_workers_replaced{{reason="{why}"'))
+
+
+def test_a_hung_worker_is_killed_and_replaced_and_the_others_streams_go_on(
+    gw: Gateway,
+) -> None:
+    """SIGSTOP, not SIGKILL: the worker's process lives on, only its reports stop."""
+    clients = per_worker(gw)
+    (keep, streamer), (victim, _) = list(clients.items())[:2]
+    before = replaced(streamer, "hung")
+    out: dict[str, Any] = {}
+    started = threading.Event()
+    thread = threading.Thread(target=stream, args=(streamer, out, started))
+    thread.start()
+    assert started.wait(10)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        wait_for(lambda: f"worker pid {victim} has not reported" in gw.proc.output(), 15,
+                 "the hung worker found")
+        wait_for(lambda: not alive(victim), 10, "the hung worker killed")
+    finally:
+        if alive(victim):
+            os.kill(victim, signal.SIGCONT)
+    thread.join(10)
+    assert out["events"][-1] == "[DONE]" and len(out["events"]) == 32
+    fresh = per_worker(gw)
+    assert victim not in fresh and keep in fresh and len(fresh) == PROCESSES
+    wait_for(lambda: replaced(fresh[keep], "hung") == before + 1, 5, "the replacement counted")
+    for client in fresh.values():
+        assert chat(client).status_code == 200
+
+
+def test_workers_that_lose_the_control_process_serve_on_and_say_so(gw: Gateway) -> None:
+    clients = per_worker(gw)
+    control = gw.proc.popen.pid
+    logged = gw.proc.output().count("hung, killed")
+    os.kill(control, signal.SIGSTOP)
+    try:
+        for client in clients.values():
+            wait_for(lambda client=client: client.get("/readyz").json()["control"].startswith(
+                "unreachable for"), 10, "the worker to notice")  # type: ignore[misc]
+            assert client.get("/readyz").json()["ready"] is True
+            assert chat(client).status_code == 200
+    finally:
+        os.kill(control, signal.SIGCONT)
+    for client in clients.values():
+        wait_for(lambda client=client: client.get("/readyz").json()["control"] == "reachable",
+                 10, "the control process back")  # type: ignore[misc]
+    assert per_worker(gw).keys() == clients.keys()  # nobody was taken for hung meanwhile
+    assert gw.proc.output().count("hung, killed") == logged
+
+
 def test_a_reload_reaches_every_worker(gw: Gateway, tmp: Path, url_sim: Sim) -> None:
     extra = Sim(tmp, "c")
     try:

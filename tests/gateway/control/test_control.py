@@ -8,7 +8,7 @@ import asyncio
 
 from backends.backend import Backend, BackendState
 from gateway.control.link import ControlLink
-from gateway.control.server import Workers
+from gateway.control.server import FIRST_REPORT, SILENT, Workers
 from gateway.routing.pool import BackendPool
 from tests.factories import backend
 
@@ -134,3 +134,33 @@ def test_a_backend_a_reload_made_anew_adopts_at_once() -> None:
     backends.replace([new])
     link.adopt(ready)  # the same state as before, but new to this object
     assert new.state is BackendState.READY
+
+
+def test_a_worker_that_stops_reporting_is_silent_and_a_new_one_has_longer() -> None:
+    clock = Clock()
+    workers = Workers(pool(), {}, clock)
+    workers.add(1)
+    workers.add(2)
+    workers.report(1, {})
+    clock.now = SILENT - 0.1
+    assert workers.silent() == {}
+    clock.now = SILENT + 0.1
+    assert set(workers.silent()) == {1}  # 2 has not reported yet: it may still be starting
+    workers.report(2, {})
+    clock.now = FIRST_REPORT + 1
+    assert set(workers.silent()) == {1, 2}
+    workers.forget(1)
+    assert set(workers.silent()) == {2}
+
+
+def test_a_pause_of_the_control_process_makes_nobody_silent() -> None:
+    clock = Clock()
+    workers = Workers(pool(), {}, clock)
+    workers.add(1)
+    workers.add(2)
+    workers.report(1, {})
+    clock.now = FIRST_REPORT + 10  # nobody could report while this process was stopped
+    workers.excuse()
+    assert workers.silent() == {}
+    clock.now += SILENT + 0.1
+    assert set(workers.silent()) == {1}  # reported before: silent again; 2 still starting
