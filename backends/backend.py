@@ -38,6 +38,21 @@ class GpuReading:
     temperature: int  # Celsius
 
 
+@dataclass(frozen=True, slots=True)
+class Life:
+    """What the control plane alone knows of a backend, as a serving worker adopts it."""
+
+    state: BackendState
+    pid: int | None
+    started_at: float | None
+    restarts: int
+    models: frozenset[str]
+    cards: dict[str, dict[str, Any]]
+    load: LoadReport | None
+    last_probe: str
+    flaps: int
+
+
 class Backend:
     """A backend as the gateway sees it right now.
 
@@ -127,17 +142,17 @@ class Backend:
         """Given up on until an operator starts it again."""
         self._state = BackendState.FAILED
 
-    def adopt(self, state: BackendState, pid: int | None, started_at: float | None,
-              restarts: int, models: frozenset[str] = frozenset(),
-              cards: dict[str, dict[str, Any]] | None = None) -> None:
-        """What its owner in another process says (a serving worker's copy of a backend
-        whose life the control process runs: its supervisor, or an operator's drain); the
-        models it serves, when that owner knows them."""
-        self._state = state
-        self._streak = 0
-        self.pid, self.started_at, self.restarts = pid, started_at, restarts
-        if models:
-            self.learn(models, cards)
+    def life(self) -> Life:
+        return Life(self._state, self.pid, self.started_at, self.restarts, self.models,
+                    self.cards, self.load, self.last_probe, self.flaps)
+
+    def adopt(self, life: Life) -> None:
+        """Its life as its owner sees it, whole (a serving worker's copy of a backend the
+        control plane probes, scrapes and supervises)."""
+        self._state, self._streak = life.state, 0
+        self.pid, self.started_at, self.restarts = life.pid, life.started_at, life.restarts
+        self.models, self.cards, self.load = life.models, life.cards, life.load
+        self.last_probe, self.flaps = life.last_probe, life.flaps
 
     def learn(self, models: frozenset[str], cards: dict[str, dict[str, Any]] | None) -> None:
         """What it serves, and vLLM's card of each model (``max_model_len``, ``root``...)."""

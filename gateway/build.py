@@ -173,26 +173,35 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
                   gate, queue, config.injects_usage, tracing.make(config.tracing))
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
-
     supervisors: dict[str, Supervisor] = {}
     workers = Workers(pool, supervisors) if role.kind is Kind.CONTROL else None
-    control = (ControlLink(role.control, pool, replaced=metrics.workers_replaced)
-               if role.control is not None else None)
     settle = workers.settle if workers is not None else None
 
     def supervise(backend: Backend) -> Supervisor:
         return Supervisor(backend, config.supervisor, probe, settle=settle)
 
-    if control is None:  # a worker's backends live in the control process
+    if role.control is None:  # a worker's backends live in the control process
         supervisors.update({b.name: supervise(b) for b in pool.backends if b.managed})
     status = Status(pool, breakers, canary, router, degraded, supervisors, metrics)
+    control = _control_link(role, pool, metrics, status)
     reloadable = Reloadable(pool, breakers, canary, supervisors,
-                            supervise if control is None else None, checker, keyring, queue)
+                            supervise if control is None else None,
+                            checker if control is None else None, keyring, queue)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
                            shared, workers, control)
     return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
                  probe, checker, supervisors, status, reloadable, shared, operators, role,
                  workers, control, keyring, ledger)
+
+
+def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
+                  status: Status) -> ControlLink | None:
+    """A worker's link to its control process: it neither probes nor supervises, but adopts
+    the control process's snapshot (and re-exports the load gauges it carries)."""
+    if role.control is None:
+        return None
+    return ControlLink(role.control, pool, replaced=metrics.workers_replaced,
+                       adopted=status.loaded)
 
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,

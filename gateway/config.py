@@ -36,6 +36,7 @@ from gateway.config_values import (
     check_listen,
     check_redis_url,
     session_source,
+    usable_cores,
 )
 from gateway.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
 
@@ -95,7 +96,7 @@ class GatewaySection(Section):
         """Serving processes: ``workers``, or for "auto" the usable cores up to the cap."""
         if self.workers != "auto":
             return self.workers
-        return max(1, min(len(os.sched_getaffinity(0)), AUTO_WORKERS_CAP))
+        return max(1, min(usable_cores(), AUTO_WORKERS_CAP))
 
     @property
     def host(self) -> str:

@@ -1,9 +1,38 @@
 """The value types of config.toml that are more than a number or a string: a listen address,
-a session key's source, a Redis URL (each validated where it is parsed)."""
+a session key's source, a Redis URL (each validated where it is parsed); and the cores a
+"auto" count of workers comes to."""
 
 from __future__ import annotations
 
 import enum
+import math
+import os
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def usable_cores(cgroup: Path = CGROUP) -> int:
+    """The cores this process may run on, and no more than its CPU quota allows (a container
+    given ``--cpus=1`` on a 64-core host has one core's worth, whatever its affinity)."""
+    cores = len(os.sched_getaffinity(0))
+    quota = _quota(cgroup)
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def _quota(cgroup: Path) -> float | None:
+    """cgroup v2 ``cpu.max`` ("QUOTA PERIOD", or "max PERIOD"), else v1's cfs pair."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+        period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        return None if int(quota) <= 0 else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
 
 
 def check_listen(value: str) -> str:

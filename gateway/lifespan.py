@@ -89,7 +89,7 @@ class Lifespan:
         else:
             for supervisor in parts.supervisors.values():
                 supervisor.start()
-        loops = await self._serving_loops() if parts.role.kind is not Kind.CONTROL else []
+        loops = await self._loops()
         reload = parts.operators.reload
         with contextlib.suppress(NotImplementedError, RuntimeError):
             asyncio.get_running_loop().add_signal_handler(
@@ -110,24 +110,33 @@ class Lifespan:
             if parts.link is not None:
                 await parts.link.aclose()
 
-    async def _serving_loops(self) -> list[asyncio.Task[None]]:
-        """Health checks, gauges, load scrapes and, in a worker, the control link."""
-        parts = self._parts
+    async def _loops(self) -> list[asyncio.Task[None]]:
+        """The control plane's (one process alone, or the control process): discovery,
+        health checks and load scrapes; a serving process's: the gauges; and a worker's, the
+        control link, whose snapshot replaces the checks and scrapes. A worker also resolves
+        the discovered names, which tell it what backends there are."""
+        parts, kind = self._parts, self._parts.role.kind
         if parts.link is not None:
             with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError,
                                      KeyError):
-                await parts.link.sync_once()  # spawned backends' states before serving
+                await parts.link.sync_once()  # the backends' states before serving
         reloader = parts.operators.reloader
         if reloader.discovers:  # the backends DNS names stand for, before serving
             await reloader.rediscover()
-        await parts.checker.check_all()
-        loops = [asyncio.create_task(parts.checker.run(), name="health"),
-                 asyncio.create_task(parts.operators.ops.refresh(), name="gauges"),
-                 *await self._load_scraper()]
-        if parts.link is not None:
+            if parts.link is not None:
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError,
+                                         ValueError, KeyError):
+                    await parts.link.sync_once()
+        loops = [asyncio.create_task(self._discover(), name="discovery")
+                 ] if reloader.discovers else []
+        if parts.link is None:  # the control plane
+            await parts.checker.check_all()
+            loops += [asyncio.create_task(parts.checker.run(), name="health"),
+                      *await self._load_scraper()]
+        else:
             loops.append(asyncio.create_task(parts.link.run(), name="control-link"))
-        if reloader.discovers:
-            loops.append(asyncio.create_task(self._discover(), name="discovery"))
+        if kind is not Kind.CONTROL:
+            loops.append(asyncio.create_task(parts.operators.ops.refresh(), name="gauges"))
         return loops
 
     async def _discover(self) -> None:

@@ -40,17 +40,13 @@ class SimStats:
         self.completed = 0
         self.cancelled = 0
         self.last_headers: list[tuple[str, str]] = []
+        self.polled = {"/health": 0, "/metrics": 0}  # probes and scrapes, as a gateway polls
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "running": self.running,
-            "peak": self.peak,
-            "started": self.started,
-            "completed": self.completed,
-            "cancelled": self.cancelled,
-            "last_headers": self.last_headers,
-        }
+        return {"requests": self.requests, "running": self.running, "peak": self.peak,
+                "started": self.started, "completed": self.completed,
+                "cancelled": self.cancelled, "last_headers": self.last_headers,
+                "polled": self.polled}
 
 
 class SimApp:
@@ -83,7 +79,9 @@ class SimApp:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
-        route = self._routes.get(scope["path"])
+        route = self._routes.get(path := scope["path"])
+        if path in self.stats.polled:
+            self.stats.polled[path] += 1
         if route is None and scope["path"].startswith(STORED):
             route = ("POST" if scope["path"].endswith("/cancel") else "GET", self._stored)
         if route is None:

@@ -1,10 +1,11 @@
-"""A serving worker's side of the control socket: adopt backends' lives, forward verbs.
+"""A serving worker's side of the control socket: adopt the snapshot, forward verbs.
 
 The worker reports its in-flight counts and its view of each backend every ``interval``
-and adopts each change of state the control process publishes (a change only: between
-changes, its own health probes decide whether a backend is ready or unhealthy). The admin
+and adopts each new version of the control process's snapshot whole
+(``gateway.control.snapshot``): it does not probe or scrape the backends itself. The admin
 verbs that change a backend's life, and reload, go to the control process, which owns them
-for every worker; status stays the worker's own view.
+for every worker. When the control process does not answer, the worker serves on the last
+snapshot and says so (``state``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -21,14 +23,14 @@ from prometheus_client import Gauge
 from starlette.requests import Request
 from starlette.responses import Response
 
-from backends.backend import Backend, BackendState
+from backends.backend import Backend
 from gateway.admin.backends import Admin
+from gateway.control.snapshot import Adopter
 from gateway.errors import GatewayError
 from gateway.routing.pool import BackendPool
 
 log = logging.getLogger("gateway.control")
 
-OPERATOR_STATES = frozenset({BackendState.DRAINING, BackendState.STOPPED})
 BASE = "http://control"  # any host: the connector goes to the socket
 
 
@@ -51,14 +53,15 @@ class Forwarded(GatewayError):
 
 class ControlLink:
     def __init__(self, path: str, pool: BackendPool, interval: float = 0.2,
-                 replaced: Gauge | None = None) -> None:
+                 replaced: Gauge | None = None,
+                 adopted: Callable[[Backend], None] | None = None) -> None:
         self._path = path
         self._pool = pool
         self._interval = interval
         self._replaced = replaced  # the workers the control process replaced, by why
         self._session: aiohttp.ClientSession | None = None
-        self._seen: dict[str, tuple[Backend, str]] = {}  # the remote state last adopted
-        self.problems: dict[str, str | None] = {}
+        self.adopt = Adopter(pool, adopted)
+        self.problems = self.adopt.problems
         self._failing = False
         self._lost_at: float | None = None  # wall clock: the control has not answered since
 
@@ -83,29 +86,10 @@ class ControlLink:
                                      timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
             reply.raise_for_status()
             answer = orjson.loads(await reply.read())
-        self.adopt(answer["backends"])
+        self.adopt(answer["snapshot"])
         if self._replaced is not None:
             for why, count in answer.get("replaced", {}).items():
                 self._replaced.labels(why).set(count)
-
-    def adopt(self, published: dict[str, dict[str, Any]]) -> None:
-        for backend in self._pool.backends:
-            info = published.get(backend.name)
-            if info is None:
-                continue
-            state = info["state"]
-            seen = self._seen.get(backend.name)
-            fresh = seen is None or seen[0] is not backend
-            self._seen[backend.name] = (backend, state)
-            self.problems[backend.name] = info["problem"]
-            if fresh and not backend.managed and BackendState(state) not in OPERATOR_STATES:
-                continue  # a url backend's first sight: its own probes decide
-            if fresh or seen is None or seen[1] != state:
-                # With the models its supervisor learned: this worker's own probe may not
-                # have reached the backend yet, and a ready backend serving nothing is a 404.
-                backend.adopt(BackendState(state), info["pid"], info["started_at"],
-                              info["restarts"], frozenset(info.get("models") or ()),
-                              info.get("cards"))
 
     async def run(self) -> None:
         while True:

@@ -1,8 +1,9 @@
 """The control process's side of the control socket: its workers, their reports, the routes.
 
 Each worker reports its in-flight requests and its view of every backend's state a few
-times a second (``POST /control/sync``) and gets back what the control process owns: each
-backend's life (state, pid, restarts, the supervisor's problem). A backend's in-flight count
+times a second (``POST /control/sync``) and gets back the snapshot of what the control
+process alone knows (``gateway.control.snapshot``): it probes, scrapes and supervises every
+backend once for the replica, whatever the number of workers. A backend's in-flight count
 here is the sum over the workers, plus one for each worker that has not yet seen the
 backend leave rotation, so a drain (the same ``drain`` as in one process) waits for all.
 """
@@ -24,6 +25,7 @@ from starlette.routing import Route
 
 from backends.backend import BackendState
 from backends.supervisor import Supervisor
+from gateway.control.snapshot import Snapshot
 from gateway.routing.pool import BackendPool
 
 log = logging.getLogger("gateway.control")
@@ -44,7 +46,7 @@ class Workers:
     def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
-        self._supervisors = supervisors  # the reloadable's own dict: a reload changes it
+        self.snapshot = Snapshot(pool, supervisors)
         self._clock = clock
         self._reports: dict[int, tuple[float, Report]] = {}
         self._born: dict[int, float] = {}
@@ -88,21 +90,12 @@ class Workers:
             except ProcessLookupError:
                 continue
 
-    def report(self, pid: int, report: Report) -> dict[str, dict[str, Any]]:
+    def report(self, pid: int, report: Report) -> dict[str, Any]:
+        """A worker's in-flight counts; the snapshot it adopts in return."""
         if pid in self.pids:
             self._reports[pid] = (self._clock(), report)
             self._count()
-        return self.published()
-
-    def published(self) -> dict[str, dict[str, Any]]:
-        """What the workers adopt: each backend's life as this process runs it."""
-        out = {}
-        for b in self._pool.backends:
-            supervisor = self._supervisors.get(b.name)
-            out[b.name] = {"state": b.state.value, "pid": b.pid, "started_at": b.started_at,
-                           "restarts": b.restarts, "models": sorted(b.models), "cards": b.cards,
-                           "problem": supervisor.problem if supervisor is not None else None}
-        return out
+        return self.snapshot()
 
     async def settle(self, within: float = 2.0, poll: float = 0.02) -> None:
         """Wait until every worker has reported since now (so it has seen what changed)."""
@@ -128,7 +121,7 @@ class Workers:
     async def _sync(self, request: Request) -> Response:
         data = orjson.loads(await request.body())
         report = {name: (int(n), str(state)) for name, (n, state) in data["backends"].items()}
-        return Response(orjson.dumps({"backends": self.report(int(data["pid"]), report),
+        return Response(orjson.dumps({"snapshot": self.report(int(data["pid"]), report),
                                       "replaced": self.replaced}),
                         media_type="application/json")
 

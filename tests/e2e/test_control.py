@@ -21,10 +21,11 @@ import httpx
 import pytest
 
 from gateway.config import AUTO_WORKERS_CAP
+from gateway.config_values import usable_cores
 from tests.e2e.test_supervision import SIM, alive, descendants, spawned
 from tests.helpers import Gateway, Sim, backend_toml, wait_for
 
-PROCESSES = max(1, min(len(os.sched_getaffinity(0)), AUTO_WORKERS_CAP))
+PROCESSES = max(1, min(usable_cores(), AUTO_WORKERS_CAP))
 pytestmark = pytest.mark.skipif(PROCESSES < 2, reason="one core: the default is one process")
 LONG = {"x-sim": "itl=0.1,tokens=30"}  # a 3 s stream
 
@@ -87,6 +88,17 @@ def stream(client: httpx.Client, out: dict[str, Any], started: threading.Event,
                 events.append(line[6:])
                 started.set()
     out["events"], out["ended"] = events, time.monotonic()
+
+
+def streaming(client: httpx.Client, model: str = "sim-model",
+              ) -> tuple[threading.Thread, dict[str, Any]]:
+    """A 3 s stream through ``client``, begun: its thread, and what it will have got."""
+    out: dict[str, Any] = {}
+    started = threading.Event()
+    thread = threading.Thread(target=stream, args=(client, out, started, model))
+    thread.start()
+    assert started.wait(10)
+    return thread, out
 
 
 def test_the_default_is_a_control_process_and_a_worker_per_core(gw: Gateway) -> None:
@@ -159,11 +171,7 @@ def test_a_spawned_backend_is_restarted_once_and_every_worker_sees_it(gw: Gatewa
 def test_a_drain_waits_for_the_streams_of_every_worker(gw: Gateway) -> None:
     clients = list(per_worker(gw).values())
     streamer, operator = clients[0], clients[1]
-    out: dict[str, Any] = {}
-    started = threading.Event()
-    thread = threading.Thread(target=stream, args=(streamer, out, started, "other-model"))
-    thread.start()
-    assert started.wait(10)
+    thread, out = streaming(streamer, "other-model")
     reply = operator.post("/admin/backends/b/drain", json={"timeout": 30})
     returned = time.monotonic()
     thread.join(10)
@@ -180,11 +188,7 @@ def test_a_drain_waits_for_the_streams_of_every_worker(gw: Gateway) -> None:
 def test_a_dead_worker_is_replaced_and_the_others_streams_go_on(gw: Gateway) -> None:
     clients = per_worker(gw)
     (keep, streamer), (victim, _) = list(clients.items())[:2]
-    out: dict[str, Any] = {}
-    started = threading.Event()
-    thread = threading.Thread(target=stream, args=(streamer, out, started))
-    thread.start()
-    assert started.wait(10)
+    thread, out = streaming(streamer)
     os.kill(victim, signal.SIGKILL)
     thread.join(10)
     assert out["events"][-1] == "[DONE]" and len(out["events"]) == 32  # role, 30 tokens, DONE
@@ -208,11 +212,7 @@ def test_a_hung_worker_is_killed_and_replaced_and_the_others_streams_go_on(
     clients = per_worker(gw)
     (keep, streamer), (victim, _) = list(clients.items())[:2]
     before = replaced(streamer, "hung")
-    out: dict[str, Any] = {}
-    started = threading.Event()
-    thread = threading.Thread(target=stream, args=(streamer, out, started))
-    thread.start()
-    assert started.wait(10)
+    thread, out = streaming(streamer)
     os.kill(victim, signal.SIGSTOP)
     try:
         wait_for(lambda: f"worker pid {victim} has not reported" in gw.proc.output(), 15,

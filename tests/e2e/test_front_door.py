@@ -265,7 +265,12 @@ def test_idle_connections_past_a_low_descriptor_limit_cost_a_request_nothing(
 
 def test_a_descriptor_limit_too_low_to_serve_is_a_start_up_error(tmp: Path, sim: Sim) -> None:
     proc, _, log = serve_limited(tmp, sim, "fds-low", 100)
-    assert proc.wait(30) == 1
+    try:
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
     assert ("the open-files limit (RLIMIT_NOFILE) is 100: too low to serve; the gateway needs "
             "at least 128") in log.read_text()
 

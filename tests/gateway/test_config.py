@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import AUTO_WORKERS_CAP, ConfigError, load, parse
-from gateway.config_values import SessionFrom
+from gateway.config_values import SessionFrom, usable_cores
 from tests.factories import config, raw_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -140,10 +140,27 @@ def test_a_bad_discover_name_is_reported_at_its_key() -> None:
 
 
 def test_workers_default_to_one_per_core_up_to_the_cap() -> None:
-    cores = len(os.sched_getaffinity(0))
     default = config()
     assert default.gateway.workers == "auto"
-    assert default.gateway.processes == max(1, min(cores, AUTO_WORKERS_CAP))
+    assert default.gateway.processes == max(1, min(usable_cores(), AUTO_WORKERS_CAP))
+
+
+@pytest.mark.parametrize(("files", "cores"), [
+    ({"cpu.max": "100000 100000\n"}, 1),  # --cpus=1
+    ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 cores: both, each part-time
+    ({"cpu.max": "max 100000\n"}, None),  # no quota: the affinity decides
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),  # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),  # no cgroup files
+])
+def test_auto_workers_follow_the_containers_cpu_quota(
+    tmp_path: Path, files: dict[str, str], cores: int | None,
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(tmp_path) == (affinity if cores is None else min(cores, affinity))
 
 
 def test_workers_mix_with_spawned_backends_and_the_embedded_redis() -> None:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from backends.backend import Backend, BackendState
+import orjson
+
+from backends.backend import Backend, BackendState, GpuReading, LoadReport
 from gateway.control.link import ControlLink
 from gateway.control.server import FIRST_REPORT, SILENT, Workers
+from gateway.control.snapshot import encode
 from gateway.routing.pool import BackendPool
 from tests.factories import backend
 
@@ -75,65 +78,56 @@ def test_settle_waits_for_a_report_from_every_worker() -> None:
     assert asyncio.run(scenario())
 
 
-def test_published_lives_carry_the_supervisor_fields() -> None:
+def test_the_snapshot_carries_each_life_and_versions_only_changes() -> None:
     b = backend("s", spawn=SPAWN)
+    snapshot = Workers(pool(b), {}).snapshot
+    first = snapshot()
+    assert first["version"] == 1 and first["backends"]["s"]["state"] == "starting"
+    assert snapshot()["version"] == 1  # nothing changed: the same version
     b.mark_ready()
     b.models = frozenset({"m2", "m1"})
-    published = Workers(pool(b), {}).published()
-    assert published["s"]["state"] == "ready" and published["s"]["problem"] is None
-    assert published["s"]["models"] == ["m1", "m2"]
+    b.load = LoadReport(running=3, waiting=1, kv_usage=0.5,
+                        gpus=(GpuReading(0, 10, 80, 60),))
+    published = snapshot()
+    assert published["version"] == 2
+    life = published["backends"]["s"]
+    assert life["state"] == "ready" and life["problem"] is None
+    assert life["models"] == ["m1", "m2"]
 
 
-def link_for(*backends: Backend) -> ControlLink:
-    return ControlLink("/nonexistent", pool(*backends))
+def test_what_the_control_publishes_is_what_a_worker_adopts() -> None:
+    """The contract between the two sides, through JSON as on the socket."""
+    source = backend("s", spawn=SPAWN)
+    source.mark_ready()
+    source.pid, source.restarts, source.started_at = 42, 2, 1.0
+    source.learn(frozenset({"m1"}), {"m1": {"id": "m1", "max_model_len": 512}})
+    source.load = LoadReport(running=3, waiting=1, kv_usage=0.5, prefix_hit_ratio=0.25,
+                             gpus=(GpuReading(0, 10, 80, 60),))
+    source.last_probe, source.flaps = "ok", 3
+    copy = backend("s", spawn=SPAWN)
+    adopted: list[Backend] = []
+    link = ControlLink("/nonexistent", pool(copy), adopted=adopted.append)
+    link.adopt(orjson.loads(orjson.dumps(Workers(pool(source), {}).snapshot())))
+    assert copy.life() == source.life() and adopted == [copy]
 
 
-def test_a_worker_adopts_a_spawned_backends_life() -> None:
-    s = backend("s", spawn=SPAWN)
-    link = link_for(s)
-    link.adopt({"s": {"state": "ready", "pid": 42, "started_at": 1.0, "restarts": 2,
-                      "problem": None, "models": ["m1"]}})
-    assert s.state is BackendState.READY and s.pid == 42 and s.restarts == 2
-    assert s.models == {"m1"}  # routable at once, before this worker's own probe
-
-
-def test_a_url_backend_keeps_its_own_probes_until_an_operator_acts() -> None:
-    u = backend("u", ready=True)
-    link = link_for(u)
-    starting = {"u": {"state": "starting", "pid": None, "started_at": None, "restarts": 0,
-                      "problem": None}}
-    link.adopt(starting)
-    assert u.state is BackendState.READY  # the control process's idea of a url backend
-    link.adopt(starting)
-    assert u.state is BackendState.READY  # no change there: nothing adopted
-    link.adopt({"u": {**starting["u"], "state": "draining"}})
-    assert u.state is BackendState.DRAINING
-    link.adopt(starting)  # started again by an operator: probes decide from here
-    assert u.state is BackendState.STARTING
-
-
-def test_between_changes_a_workers_own_probes_decide() -> None:
-    s = backend("s", spawn=SPAWN)
-    link = link_for(s)
-    ready = {"s": {"state": "ready", "pid": 1, "started_at": 1.0, "restarts": 0,
-                   "problem": None}}
-    link.adopt(ready)
-    assert s.observe_probe(False, fall=1, rise=1)  # this worker's probes: unhealthy
-    link.adopt(ready)
-    assert s.state is BackendState.UNHEALTHY
-
-
-def test_a_backend_a_reload_made_anew_adopts_at_once() -> None:
-    old = backend("s", spawn=SPAWN)
-    backends = pool(old)
+def test_a_worker_adopts_only_a_new_version_or_a_backend_new_to_it() -> None:
+    u = backend("u")
+    backends = pool(u)
     link = ControlLink("/nonexistent", backends)
-    ready = {"s": {"state": "ready", "pid": 1, "started_at": 1.0, "restarts": 0,
-                   "problem": None}}
+    ready = {"version": 3, "backends": {"u": encode(backend("u", ready=True), None)}}
     link.adopt(ready)
-    new = backend("s", spawn=SPAWN)  # same name, a new object (its spec changed)
+    assert u.state is BackendState.READY
+    u.drain()  # (not something a worker does: only to see what is adopted)
+    link.adopt(ready)
+    assert u.state is BackendState.DRAINING  # the same version: nothing adopted
+    new = backend("u", "http://127.0.0.1:2")  # a reload made it anew (its spec changed)
     backends.replace([new])
-    link.adopt(ready)  # the same state as before, but new to this object
-    assert new.state is BackendState.READY
+    link.adopt(ready)
+    assert new.state is BackendState.READY  # the same version, but new to this object
+    new.mark_busy(30)
+    link.adopt({**ready, "version": 4})
+    assert new.state is BackendState.READY and new.busy_until  # its own: kept
 
 
 def test_a_worker_that_stops_reporting_is_silent_and_a_new_one_has_longer() -> None:

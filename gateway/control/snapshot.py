@@ -1,0 +1,81 @@
+"""The control plane's snapshot: every backend's life (state, process, models, load, probe
+results), versioned. The control process alone probes, scrapes and supervises; each serving
+worker adopts a new version whole, with no rules about which fields win.
+
+The version changes only when some backend's life changed, so a worker adopts nothing
+between changes, except a backend object new to it (a reload in the worker made it anew).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from backends.backend import Backend, BackendState, GpuReading, Life, LoadReport
+from backends.supervisor import Supervisor
+from gateway.routing.pool import BackendPool
+
+
+def encode(backend: Backend, problem: str | None) -> dict[str, Any]:
+    life = backend.life()
+    return {"state": life.state.value, "pid": life.pid, "started_at": life.started_at,
+            "restarts": life.restarts, "models": sorted(life.models), "cards": life.cards,
+            "load": asdict(life.load) if life.load is not None else None,
+            "last_probe": life.last_probe, "flaps": life.flaps, "problem": problem}
+
+
+def decode(data: Mapping[str, Any]) -> Life:
+    load = data.get("load")
+    return Life(
+        BackendState(data["state"]), data.get("pid"), data.get("started_at"),
+        int(data.get("restarts", 0)), frozenset(data.get("models") or ()),
+        dict(data.get("cards") or {}),
+        None if load is None else LoadReport(**{
+            **load, "gpus": tuple(GpuReading(**g) for g in load.get("gpus", ()))}),
+        str(data.get("last_probe", "none yet")), int(data.get("flaps", 0)))
+
+
+class Snapshot:
+    """The control process's side: what it publishes, with a version that changes with it."""
+
+    def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor]) -> None:
+        self._pool = pool
+        self._supervisors = supervisors  # the reloadable's own dict: a reload changes it
+        self._last: dict[str, dict[str, Any]] = {}
+        self.version = 0
+
+    def __call__(self) -> dict[str, Any]:
+        lives = {}
+        for b in self._pool.backends:
+            supervisor = self._supervisors.get(b.name)
+            lives[b.name] = encode(b, supervisor.problem if supervisor is not None else None)
+        if lives != self._last:
+            self._last, self.version = lives, self.version + 1
+        return {"version": self.version, "backends": lives}
+
+
+class Adopter:
+    """A serving worker's side: its backends take each new version whole."""
+
+    def __init__(self, pool: BackendPool,
+                 adopted: Callable[[Backend], None] | None = None) -> None:
+        self._pool = pool
+        self._adopted = adopted  # told of each backend adopted (its re-exported gauges)
+        self._version = 0
+        self._seen: dict[str, Backend] = {}
+        self.problems: dict[str, str | None] = {}
+
+    def __call__(self, snapshot: Mapping[str, Any]) -> None:
+        version, lives = snapshot["version"], snapshot["backends"]
+        for backend in self._pool.backends:
+            data = lives.get(backend.name)
+            if data is None or (version == self._version
+                                and self._seen.get(backend.name) is backend):
+                continue
+            backend.adopt(decode(data))
+            self._seen[backend.name] = backend
+            self.problems[backend.name] = data.get("problem")
+            if self._adopted is not None:
+                self._adopted(backend)
+        self._version = version
