@@ -113,13 +113,17 @@ class Bench:
         self.args = args
         self.sims = sims
         self.sim_pids = sim_pids
+        # The client's manners: fresh connections, prompts of their own (default: neither).
+        self.client = ((*(["--fresh"] if args.fresh else []),
+                        "--unique-share", str(args.unique_share)))
 
     def phase(self, run: targets.Running, concurrency: int, requests: int, tokens: int,
               *extra: str) -> dict[str, object]:
         proxy_cpu = cpu_seconds(run.proc.pid) if run.proc else 0.0
         sims_cpu = sum(cpu_seconds(p) for p in self.sim_pids)
         t0 = time.perf_counter()
-        result = loadgen(run.urls, concurrency, requests, tokens, *WORKLOAD, *extra)
+        result = loadgen(run.urls, concurrency, requests, tokens, *WORKLOAD, *self.client,
+                         *extra)
         wall = time.perf_counter() - t0
         sims_cpu = sum(cpu_seconds(p) for p in self.sim_pids) - sims_cpu
         result["proxy_cpu_s"] = (cpu_seconds(run.proc.pid) - proxy_cpu) if run.proc else 0.0
@@ -165,6 +169,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--c64-requests", type=int, default=4)
     parser.add_argument("--burst-requests", type=int, default=3)
     parser.add_argument("--plain-requests", type=int, default=20)
+    parser.add_argument("--fresh", action="store_true",
+                        help="the load opens a new connection per request (none kept alive)")
+    parser.add_argument("--unique-share", type=float, default=0.0,
+                        help="share of requests with a prompt of their own")
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--raw", type=Path, default=Path("bench/results/compare.json"))
     parser.add_argument("--baseline", type=Path, metavar="CHECKOUT",

@@ -164,10 +164,13 @@ def raise_fd_limit() -> None:
 
 
 async def run(urls: list[str], concurrency: int, requests: int, work: Workload,
-              warmup: int = 1, timeout_s: float = 300, spread: float = 0) -> Result:
+              warmup: int = 1, timeout_s: float = 300, spread: float = 0,
+              fresh: bool = False) -> Result:
+    """``fresh``: a new connection for every request (closed after it), as a client that
+    keeps none alive does; else connections are kept alive and reused."""
     targets = [u.rstrip("/") + "/v1/chat/completions" for u in urls]
     one = _stream if work.stream else _plain
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=fresh)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         async def worker(i: int, n: int, s: Samples, delay: float = 0) -> None:
@@ -219,6 +222,8 @@ def main() -> None:
                         help="distinct sessions (0: one per worker)")
     parser.add_argument("--unique-share", type=float, default=0.0,
                         help="share of requests with a prompt of their own")
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new connection per request (none kept alive)")
     args = parser.parse_args()
     raise_fd_limit()
     try:
@@ -230,7 +235,7 @@ def main() -> None:
     work = Workload(args.model, not args.no_stream, args.tokens, args.temperature,
                     args.sessions, args.session_pool, args.unique_share)
     result = asyncio.run(run(args.url, args.concurrency, args.requests, work, args.warmup,
-                             args.timeout, args.spread))
+                             args.timeout, args.spread, args.fresh))
     print(json.dumps(asdict(result)))
 
 
