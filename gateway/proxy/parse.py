@@ -6,7 +6,7 @@ from __future__ import annotations
 from starlette.types import Scope
 
 from gateway.config import Config
-from gateway.config_values import SessionFrom
+from gateway.config.values import SessionFrom
 from gateway.errors import BadRequest
 from gateway.http.asgi import json_object
 from gateway.http.form import form_fields, is_form

@@ -16,9 +16,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from backends.backend import Backend
+from gateway.config.tenancy import QueueSection
 from gateway.errors import Shed
 from gateway.metrics import Metrics
-from gateway.tenancy import QueueSection
 
 
 class NoRoom(Exception):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import SecretStr
 
-from gateway.tenancy import KeySpec
+from gateway.config.tenancy import KeySpec
 
 DIGEST = "sha256:"
 

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.config.tenancy import LimitsSection
 from gateway.errors import Forbidden, NoBackend, RateLimited
 from gateway.metrics import Metrics
 from gateway.state.link import RedisLink
-from gateway.tenancy import LimitsSection
 from gateway.tenants.keyring import Tenant
 from gateway.types import Request
 

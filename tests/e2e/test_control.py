@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from gateway.config import AUTO_WORKERS_CAP
-from gateway.config_values import usable_cores
+from gateway.config.values import usable_cores
 from tests.e2e.test_supervision import SIM, alive, descendants, spawned
 from tests.helpers import Gateway, Sim, backend_toml, wait_for
 

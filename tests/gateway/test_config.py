@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import AUTO_WORKERS_CAP, ConfigError, load, parse
-from gateway.config_values import SessionFrom, usable_cores
+from gateway.config.values import SessionFrom, usable_cores
 from tests.factories import config, raw_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -198,9 +198,9 @@ def test_room_is_the_share_of_capacity_less_the_reserve_and_vllms_own_saturation
 
 def test_a_session_waits_a_bounded_time_for_its_pinned_backend_to_free(
         server: RedisServer) -> None:
+    from gateway.config.tenancy import QueueSection
     from gateway.resilience.breaker import Outcome
     from gateway.routing.queue import WaitQueue
-    from gateway.tenancy import QueueSection
 
     pool = [factories.backend(f"b{i}", ready=True, models={"m"}, max_concurrent=1)
             for i in range(2)]

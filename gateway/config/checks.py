@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from backends.spec import BackendSpec
-from gateway.tenancy import KeySpec
+from gateway.config.tenancy import KeySpec
 
 WHAT = {"backends": "backend", "keys": "key"}
 

@@ -2,7 +2,7 @@
 
 Every problem is reported at once as ``dotted.key.path: message``; ``load`` adds where the
 key was set (``file:line`` or the ``VGW_...`` variable) and applies the environment's
-overrides (gateway.config_source).
+overrides (gateway.config.source).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from pydantic import (
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
-from gateway.config_checks import duplicate_keys, duplicate_names, duplicate_ports
-from gateway.config_source import Where, apply_env
-from gateway.config_values import (
+from gateway.config.checks import duplicate_keys, duplicate_names, duplicate_ports
+from gateway.config.source import Where, apply_env
+from gateway.config.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
+from gateway.config.values import (
     SessionFrom,
     SessionSource,
     check_listen,
@@ -38,7 +39,6 @@ from gateway.config_values import (
     session_source,
     usable_cores,
 )
-from gateway.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
 # workers = "auto" stops here: each worker holds its own Redis and upstream connections and
