@@ -142,9 +142,11 @@ def _fixed(config: Config) -> list[BackendSpec]:
     return [spec for spec in config.backends if spec.discover is None]
 
 
-def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts:
+def build(config: Config, path: str | None = None, role: Role = SINGLE,
+          upstream: Upstream | None = None) -> Parts:
     """Every part, whole, from ``config`` (read from ``path``, which a reload reads again),
-    for the process ``role`` says this is (see ``gateway.control``)."""
+    for the process ``role`` says this is (see ``gateway.control``); ``upstream``: the HTTP
+    client to use instead of the one the config names (tests pass an in-memory one)."""
     metrics = Metrics()
     keyring = Keyring(config.keys, config.gateway.api_keys)
     breakers = Breakers(config.breaker, [spec.name for spec in _fixed(config)],
@@ -155,17 +157,13 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None
     ttl = config.routing.session_ttl
-    router = Router(pool, make_policy(config.routing),
-                    PinStore(link, ttl) if link is not None and config.routing.sticky else None,
-                    config.routing, metrics, breakers,
-                    make_policy(config.routing, config.routing.pin_policy),
-                    config.gateway.processes)
+    router = _router(config, pool, link, metrics, breakers)
     # Arms are stored whenever Redis is: a reload may turn the canary on.
     arms = Arms(pool, canary, ArmStore(link, ttl) if link is not None else None)
     replies = ReplyCache(config.degraded, link if config.degraded.cache else None,
                          dropped=metrics.reply_cache_dropped)
     degraded = Degraded(config.degraded, replies, metrics)
-    upstream = make_upstream(config.upstream)
+    upstream = upstream or make_upstream(config.upstream)
     responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
     gate, ledger = tenants(config, link, keyring, metrics)
     queue = WaitQueue(config.queue, metrics, len(keyring.tenants))
@@ -192,6 +190,14 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE) -> Parts
     return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
                  probe, checker, supervisors, status, reloadable, shared, operators, role,
                  workers, control, keyring, ledger)
+
+
+def _router(config: Config, pool: BackendPool, link: RedisLink | None, metrics: Metrics,
+            breakers: Breakers) -> Router:
+    routing = config.routing
+    pins = PinStore(link, routing.session_ttl) if link is not None and routing.sticky else None
+    return Router(pool, make_policy(routing), pins, routing, metrics, breakers,
+                  make_policy(routing, routing.pin_policy), config.gateway.processes)
 
 
 def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
