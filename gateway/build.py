@@ -17,6 +17,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from backends.backend import Backend
+from backends.discovery import Discovery
 from backends.health import HealthChecker, HttpProbe
 from backends.spec import BackendSpec
 from backends.supervisor import Supervisor
@@ -172,7 +173,9 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
     supervisors: dict[str, Supervisor] = {}
-    workers = Workers(pool, supervisors) if role.kind is Kind.CONTROL else None
+    discovery = Discovery()  # a worker's is told its control process's answers instead
+    workers = (Workers(pool, supervisors, discovered=discovery.found)
+               if role.kind is Kind.CONTROL else None)
     settle = workers.settle if workers is not None else None
 
     def supervise(backend: Backend) -> Supervisor:
@@ -186,7 +189,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
                             supervise if control is None else None,
                             checker if control is None else None, keyring, queue)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
-                           shared, workers, control)
+                           shared, workers, control, discovery)
     return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
                  probe, checker, supervisors, status, reloadable, shared, operators, role,
                  workers, control, keyring, ledger)
@@ -213,7 +216,7 @@ def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,
                canary: Canary, status: Status, metrics: Metrics, reloadable: Reloadable,
                shared: SharedState | None, workers: Workers | None,
-               link: ControlLink | None) -> Operators:
+               link: ControlLink | None, discovery: Discovery) -> Operators:
     key = config.gateway.admin_key
     args = (pool, reloadable.supervisors, breakers, key.get_secret_value() if key else None,
             config.supervisor.drain_timeout)
@@ -221,7 +224,8 @@ def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Br
     admin = (ForwardedAdmin(link, *args, refusals=refusals) if link is not None
              else Admin(*args, settle=workers.settle if workers else None,
                         trusted=workers is not None, refusals=refusals))
-    reloader = Reloader(reloadable, config, path)
+    reloader = Reloader(reloadable, config, path,
+                        Discovery(told=link.discovered) if link is not None else discovery)
     reload: Reload = reloader
     if workers is not None:
         async def reload_all(who: str) -> dict[str, Any]:

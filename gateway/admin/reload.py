@@ -52,11 +52,12 @@ class Reloader:
     """Reads the config file again and applies what can change while running; resolves
     the ``discover`` entries again (``rediscover``) and applies what they now stand for."""
 
-    def __init__(self, parts: Reloadable, config: Config, path: str | None) -> None:
+    def __init__(self, parts: Reloadable, config: Config, path: str | None,
+                 discovery: Discovery | None = None) -> None:
         self._parts = parts
         self.config = config  # the running config, replaced by each reload that applies
         self.path = path
-        self._discovery = Discovery()
+        self.discovery = discovery or Discovery()
         self._lock = asyncio.Lock()  # one apply at a time: a reload or a rediscovery
 
     @property
@@ -89,7 +90,7 @@ class Reloader:
                 await apply(self._parts, self.config, expanded, "discovery")
 
     async def _expanded(self, config: Config) -> Config:
-        backends = tuple(await self._discovery.expand(config.backends))
+        backends = tuple(await self.discovery.expand(config.backends))
         return config.model_copy(update={"backends": backends})
 
 

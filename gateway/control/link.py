@@ -65,6 +65,10 @@ class ControlLink:
         self._failing = False
         self._lost_at: float | None = None  # wall clock: the control has not answered since
 
+    def discovered(self) -> dict[str, list[str]]:
+        """Each discover entry's addresses, as the control process last found them."""
+        return self.adopt.discovered
+
     def state(self) -> str:
         """The control process as this worker sees it, for ``/readyz``."""
         if self._lost_at is None:

@@ -44,9 +44,10 @@ class Workers:
     """The serving workers as the control process knows them: pids and their last reports."""
 
     def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 discovered: Callable[[], dict[str, list[str]]] = dict) -> None:
         self._pool = pool
-        self.snapshot = Snapshot(pool, supervisors)
+        self.snapshot = Snapshot(pool, supervisors, discovered)
         self._clock = clock
         self._reports: dict[int, tuple[float, Report]] = {}
         self._born: dict[int, float] = {}

@@ -1,6 +1,7 @@
 """The control plane's snapshot: every backend's life (state, process, models, load, probe
-results), versioned. The control process alone probes, scrapes and supervises; each serving
-worker adopts a new version whole, with no rules about which fields win.
+results) and each discover entry's addresses, versioned. The control process alone probes,
+scrapes, resolves and supervises; each serving worker adopts a new version whole, with no
+rules about which fields win.
 
 The version changes only when some backend's life changed, so a worker adopts nothing
 between changes, except a backend object new to it (a reload in the worker made it anew).
@@ -39,10 +40,12 @@ def decode(data: Mapping[str, Any]) -> Life:
 class Snapshot:
     """The control process's side: what it publishes, with a version that changes with it."""
 
-    def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor]) -> None:
+    def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor],
+                 discovered: Callable[[], dict[str, list[str]]] = dict) -> None:
         self._pool = pool
         self._supervisors = supervisors  # the reloadable's own dict: a reload changes it
-        self._last: dict[str, dict[str, Any]] = {}
+        self._discovered = discovered  # each discover entry's addresses, as last found
+        self._last: dict[str, Any] = {}
         self.version = 0
 
     def __call__(self) -> dict[str, Any]:
@@ -50,9 +53,10 @@ class Snapshot:
         for b in self._pool.backends:
             supervisor = self._supervisors.get(b.name)
             lives[b.name] = encode(b, supervisor.problem if supervisor is not None else None)
-        if lives != self._last:
-            self._last, self.version = lives, self.version + 1
-        return {"version": self.version, "backends": lives}
+        now = {"backends": lives, "discovered": self._discovered()}
+        if now != self._last:
+            self._last, self.version = now, self.version + 1
+        return {"version": self.version, **now}
 
 
 class Adopter:
@@ -65,9 +69,11 @@ class Adopter:
         self._version = 0
         self._seen: dict[str, Backend] = {}
         self.problems: dict[str, str | None] = {}
+        self.discovered: dict[str, list[str]] = {}  # the control process's DNS answers
 
     def __call__(self, snapshot: Mapping[str, Any]) -> None:
         version, lives = snapshot["version"], snapshot["backends"]
+        self.discovered = snapshot.get("discovered", {})
         for backend in self._pool.backends:
             data = lives.get(backend.name)
             if data is None or (version == self._version

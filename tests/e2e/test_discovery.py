@@ -5,6 +5,7 @@ loopback address (127.0.0.N, one port for all, as pods behind a headless Service
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ class Answers(BaseResolver):  # type: ignore[misc]
     def __init__(self) -> None:
         self.addresses: list[str] = []
         self.lock = threading.Lock()
+        self.lookups = 0  # A queries for NAME
 
     def resolve(self, request: DNSRecord, handler: Any) -> DNSRecord:
         reply = request.reply()
@@ -35,6 +37,7 @@ class Answers(BaseResolver):  # type: ignore[misc]
             reply.header.rcode = 3  # NXDOMAIN
         elif request.q.qtype == QTYPE.A:
             with self.lock:
+                self.lookups += 1
                 for address in self.addresses:
                     reply.add_answer(RR(qname, QTYPE.A, rdata=A(address), ttl=1))
         return reply
@@ -86,6 +89,7 @@ def test_pods_join_and_leave_with_dns_while_streams_run(
     try:
         wait_for(lambda: backends(gw) == {"vllm-127.0.0.2": "ready", "vllm-127.0.0.3": "ready"},
                  10, "the two pods DNS lists")
+        lookups, began = answers.lookups, time.monotonic()
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
 
         def stream() -> None:
@@ -112,6 +116,10 @@ def test_pods_join_and_leave_with_dns_while_streams_run(
             wait_for(lambda: len(load.outcomes) >= after + 12, 20, "streams after the change")
         assert load.failures == 0, f"{load.failures} of {len(load.outcomes)} streams failed"
         assert set(backends(gw)) == {"vllm-127.0.0.3", "vllm-127.0.0.4"}
+        # The control process alone asks DNS: one lookup an interval, however many workers
+        # (each worker takes the control process's answers from its snapshot).
+        rounds = (time.monotonic() - began) / INTERVAL
+        assert answers.lookups - lookups <= rounds + 2, (answers.lookups - lookups, rounds)
     finally:
         gw.stop()
 
