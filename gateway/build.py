@@ -174,8 +174,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     checker = HealthChecker(pool.backends, config.health, probe)
     supervisors: dict[str, Supervisor] = {}
     discovery = Discovery()  # a worker's is told its control process's answers instead
-    workers = (Workers(pool, supervisors, discovered=discovery.found)
-               if role.kind is Kind.CONTROL else None)
+    workers = _workers(role, pool, supervisors, discovery)
     settle = workers.settle if workers is not None else None
 
     def supervise(backend: Backend) -> Supervisor:
@@ -183,8 +182,9 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
 
     if role.control is None:  # a worker's backends live in the control process
         supervisors.update({b.name: supervise(b) for b in pool.backends if b.managed})
-    status = Status(pool, breakers, canary, router, degraded, supervisors, metrics)
-    control = _control_link(role, pool, metrics, status)
+    control = _control_link(role, pool, metrics, router)
+    status = Status(pool, breakers, canary, router, degraded, supervisors, metrics,
+                    replica=(lambda: control.replica) if control is not None else None)
     reloadable = Reloadable(pool, breakers, canary, supervisors,
                             supervise if control is None else None,
                             checker if control is None else None, keyring, queue)
@@ -203,14 +203,22 @@ def _router(config: Config, pool: BackendPool, link: RedisLink | None, metrics: 
                   make_policy(routing, routing.pin_policy), config.gateway.processes)
 
 
+def _workers(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
+             discovery: Discovery) -> Workers | None:
+    """The control process's table of its serving workers (None in any other process)."""
+    if role.kind is not Kind.CONTROL:
+        return None
+    return Workers(pool, supervisors, discovered=discovery.found)
+
+
 def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
-                  status: Status) -> ControlLink | None:
+                  router: Router) -> ControlLink | None:
     """A worker's link to its control process: it neither probes nor supervises, but adopts
-    the control process's snapshot (and re-exports the load gauges it carries)."""
+    the control process's snapshot, and reports the sessions it pinned."""
     if role.control is None:
         return None
     return ControlLink(role.control, pool, replaced=metrics.workers_replaced,
-                       adopted=status.loaded)
+                       pins=lambda: router.pins_made)
 
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,

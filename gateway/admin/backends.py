@@ -105,13 +105,18 @@ class Admin:
                 "spawned": b.managed,
                 "state": b.state.value, "pid": b.pid,
                 "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
-                "restarts": b.restarts, "in_flight": b.in_flight, "last_probe": b.last_probe,
+                "restarts": b.restarts, "in_flight": self.in_flight(b),
+                "last_probe": b.last_probe,
                 "flaps": b.flaps, "models": sorted(b.models),
                 "breaker": self._breakers.status(b.name),
                 "problem": self.problem(b.name),
             }
             for b in self._pool.backends
         ]})
+
+    def in_flight(self, backend: Backend) -> int:
+        """Its requests in flight, as this replica counts them."""
+        return backend.in_flight
 
     def problem(self, name: str) -> str | None:
         """Why a spawned backend was not started, if it was not."""

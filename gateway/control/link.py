@@ -54,13 +54,16 @@ class Forwarded(GatewayError):
 class ControlLink:
     def __init__(self, path: str, pool: BackendPool, interval: float = 0.2,
                  replaced: Gauge | None = None,
-                 adopted: Callable[[Backend], None] | None = None) -> None:
+                 pins: Callable[[], dict[str, int]] = dict) -> None:
         self._path = path
         self._pool = pool
         self._interval = interval
         self._replaced = replaced  # the workers the control process replaced, by why
+        self._pins = pins  # the sessions this worker pinned, per backend
         self._session: aiohttp.ClientSession | None = None
-        self.adopt = Adopter(pool, adopted)
+        self.adopt = Adopter(pool)
+        # Summed over the workers by the control process, as of the last sync.
+        self.replica: dict[str, dict[str, int]] = {"in_flight": {}, "pins": {}}
         self.problems = self.adopt.problems
         self._failing = False
         self._lost_at: float | None = None  # wall clock: the control has not answered since
@@ -85,12 +88,13 @@ class ControlLink:
 
     async def sync_once(self) -> None:
         backends = {b.name: [b.in_flight, b.state.value] for b in self._pool.backends}
-        body = orjson.dumps({"pid": os.getpid(), "backends": backends})
+        body = orjson.dumps({"pid": os.getpid(), "backends": backends, "pins": self._pins()})
         async with self._http().post(BASE + "/control/sync", data=body,
                                      timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
             reply.raise_for_status()
             answer = orjson.loads(await reply.read())
         self.adopt(answer["snapshot"])
+        self.replica = answer.get("replica", self.replica)
         if self._replaced is not None:
             for why, count in answer.get("replaced", {}).items():
                 self._replaced.labels(why).set(count)
@@ -146,6 +150,10 @@ class ForwardedAdmin(Admin):
 
     def problem(self, name: str) -> str | None:
         return self._link.problems.get(name)
+
+    def in_flight(self, backend: Backend) -> int:
+        """Every worker's requests, as the control process last summed them."""
+        return self._link.replica["in_flight"].get(backend.name, backend.in_flight)
 
     async def drain(self, request: Request) -> Response:
         return await self._link.forward(request)

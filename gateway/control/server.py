@@ -50,6 +50,7 @@ class Workers:
         self.snapshot = Snapshot(pool, supervisors, discovered)
         self._clock = clock
         self._reports: dict[int, tuple[float, Report]] = {}
+        self._pins: dict[int, dict[str, int]] = {}  # sessions each worker pinned, per backend
         self._born: dict[int, float] = {}
         self.pids: set[int] = set()
         self.replaced = {"hung": 0, "exited": 0}  # workers replaced, by why
@@ -62,6 +63,7 @@ class Workers:
         """A worker ended: its requests ended with it."""
         self.pids.discard(pid)
         self._reports.pop(pid, None)
+        self._pins.pop(pid, None)
         self._born.pop(pid, None)
         self._count()
 
@@ -91,12 +93,25 @@ class Workers:
             except ProcessLookupError:
                 continue
 
-    def report(self, pid: int, report: Report) -> dict[str, Any]:
-        """A worker's in-flight counts; the snapshot it adopts in return."""
+    def report(self, pid: int, report: Report,
+               pins: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """A worker's in-flight counts (and the sessions it pinned); the snapshot it adopts
+        in return."""
         if pid in self.pids:
             self._reports[pid] = (self._clock(), report)
+            self._pins[pid] = dict(pins or {})
             self._count()
         return self.snapshot()
+
+    def replica(self) -> dict[str, dict[str, int]]:
+        """What only the sum over the workers tells, for every worker's status views: each
+        backend's requests in flight and the sessions pinned to it."""
+        pins: dict[str, int] = {}
+        for made in self._pins.values():
+            for name, n in made.items():
+                pins[name] = pins.get(name, 0) + n
+        return {"in_flight": {b.name: b.in_flight for b in self._pool.backends},
+                "pins": pins}
 
     async def settle(self, within: float = 2.0, poll: float = 0.02) -> None:
         """Wait until every worker has reported since now (so it has seen what changed)."""
@@ -122,7 +137,9 @@ class Workers:
     async def _sync(self, request: Request) -> Response:
         data = orjson.loads(await request.body())
         report = {name: (int(n), str(state)) for name, (n, state) in data["backends"].items()}
-        return Response(orjson.dumps({"snapshot": self.report(int(data["pid"]), report),
+        pins = {str(name): int(n) for name, n in data.get("pins", {}).items()}
+        snapshot = self.report(int(data["pid"]), report, pins)
+        return Response(orjson.dumps({"snapshot": snapshot, "replica": self.replica(),
                                       "replaced": self.replaced}),
                         media_type="application/json")
 

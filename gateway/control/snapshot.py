@@ -62,10 +62,8 @@ class Snapshot:
 class Adopter:
     """A serving worker's side: its backends take each new version whole."""
 
-    def __init__(self, pool: BackendPool,
-                 adopted: Callable[[Backend], None] | None = None) -> None:
+    def __init__(self, pool: BackendPool) -> None:
         self._pool = pool
-        self._adopted = adopted  # told of each backend adopted (its re-exported gauges)
         self._version = 0
         self._seen: dict[str, Backend] = {}
         self.problems: dict[str, str | None] = {}
@@ -82,6 +80,4 @@ class Adopter:
             backend.adopt(decode(data))
             self._seen[backend.name] = backend
             self.problems[backend.name] = data.get("problem")
-            if self._adopted is not None:
-                self._adopted(backend)
         self._version = version

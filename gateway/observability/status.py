@@ -4,7 +4,7 @@ the status page (``/dashboard``) draws."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from backends.backend import Backend, BackendState
@@ -23,8 +23,13 @@ STATES = tuple(s.value for s in BackendState)
 class Status:
     def __init__(self, pool: BackendPool, breakers: Breakers, canary: Canary, router: Router,
                  degraded: Degraded, supervisors: Mapping[str, Supervisor],
-                 metrics: Metrics, trends: Trends | None = None) -> None:
+                 metrics: Metrics, trends: Trends | None = None,
+                 replica: Callable[[], Mapping[str, Mapping[str, int]]] | None = None) -> None:
+        """``replica``: in a serving worker, the counts only the sum over every worker
+        tells (requests in flight, sessions pinned, per backend), so that every worker's
+        status page shows the same; else this process's own are the replica's."""
         self._pool = pool
+        self._replica = replica
         self._breakers = breakers
         self._canary = canary
         self._router = router
@@ -43,6 +48,7 @@ class Status:
                 m.breaker_state.labels(b.name).set(STATE_VALUE[breaker.state])
             for state in STATES:
                 m.backend_state.labels(b.name, state).set(1 if b.state.value == state else 0)
+            self.loaded(b)  # a worker's load comes with the snapshot, not from a scrape
 
     def loaded(self, backend: Backend) -> None:
         """A backend's scraped load and GPU readings, re-exported."""
@@ -62,7 +68,9 @@ class Status:
 
     def data(self) -> dict[str, Any]:
         now = time.monotonic()
-        pins = self._router.pins_made
+        counts = self._replica() if self._replica is not None else {}
+        pins = counts.get("pins", self._router.pins_made)
+        in_flight = counts.get("in_flight", {})
         backends = []
         for b in self._pool.backends:
             load = b.load
@@ -71,7 +79,8 @@ class Status:
                 "state": b.state.value,
                 "spawned": b.managed, "pid": b.pid, "restarts": b.restarts,
                 "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
-                "in_flight": b.in_flight, "queue": b.queue, "pins": pins.get(b.name, 0),
+                "in_flight": in_flight.get(b.name, b.in_flight), "queue": b.queue,
+                "pins": pins.get(b.name, 0),
                 "running": load.running if load else None,
                 "waiting": load.waiting if load else None,
                 "kv_usage": load.kv_usage if load else None,

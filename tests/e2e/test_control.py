@@ -199,6 +199,28 @@ def test_a_dead_worker_is_replaced_and_the_others_streams_go_on(gw: Gateway) -> 
         assert chat(client).status_code == 200
 
 
+def test_every_worker_shows_the_replicas_counts(gw: Gateway) -> None:
+    """Seven sessions pinned through whichever workers their connections reach: the status
+    page of every worker counts all seven (issue 37: it showed 3 or 4 by worker)."""
+
+    def views() -> set[int]:
+        seen = set()
+        for _ in range(20):  # fresh connections: each may reach another worker
+            data = httpx.get(gw.url + "/dashboard/data", headers={"connection": "close"})
+            seen.add(sum(b["pins"] for b in data.json()["backends"]))
+        return seen
+
+    before = wait_for(lambda: (v := views()) and len(v) == 1 and v.pop(), 10, "one count")
+    tag = os.urandom(4).hex()
+    for n in range(7):
+        reply = httpx.post(gw.url + "/v1/chat/completions", headers={
+            "connection": "close", "x-session-id": f"replica-{tag}-{n}"}, json={
+            "model": "sim-model", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1})
+        assert reply.status_code == 200
+    wait_for(lambda: views() == {before + 7}, 10, "every worker to count all seven pins")
+
+
 def replaced(client: httpx.Client, why: str) -> float:
     text = client.get("/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

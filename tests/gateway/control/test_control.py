@@ -105,10 +105,9 @@ def test_what_the_control_publishes_is_what_a_worker_adopts() -> None:
                              gpus=(GpuReading(0, 10, 80, 60),))
     source.last_probe, source.flaps = "ok", 3
     copy = backend("s", spawn=SPAWN)
-    adopted: list[Backend] = []
-    link = ControlLink("/nonexistent", pool(copy), adopted=adopted.append)
+    link = ControlLink("/nonexistent", pool(copy))
     link.adopt(orjson.loads(orjson.dumps(Workers(pool(source), {}).snapshot())))
-    assert copy.life() == source.life() and adopted == [copy]
+    assert copy.life() == source.life()
 
 
 def test_a_worker_adopts_only_a_new_version_or_a_backend_new_to_it() -> None:
@@ -158,3 +157,15 @@ def test_a_pause_of_the_control_process_makes_nobody_silent() -> None:
     assert workers.silent() == {}
     clock.now += SILENT + 0.1
     assert set(workers.silent()) == {1}  # reported before: silent again; 2 still starting
+
+
+def test_the_replicas_counts_are_summed_over_its_workers() -> None:
+    a, b = backend("a", ready=True), backend("b", ready=True)
+    workers = Workers(pool(a, b), {})
+    workers.add(1)
+    workers.add(2)
+    workers.report(1, {"a": (2, "ready")}, {"a": 3})
+    workers.report(2, {"a": (1, "ready"), "b": (4, "ready")}, {"a": 1, "b": 2})
+    assert workers.replica() == {"in_flight": {"a": 3, "b": 4}, "pins": {"a": 4, "b": 2}}
+    workers.forget(1)
+    assert workers.replica() == {"in_flight": {"a": 1, "b": 4}, "pins": {"a": 1, "b": 2}}
