@@ -31,7 +31,7 @@ from gateway.canary.sync import CanarySync
 from gateway.config import Config
 from gateway.control.link import ControlLink, ForwardedAdmin
 from gateway.control.role import SINGLE, Kind, Role
-from gateway.control.server import Workers
+from gateway.control.server import WorkerTable
 from gateway.http.auth import Refusals
 from gateway.metrics import Metrics
 from gateway.observability import tracing
@@ -87,7 +87,7 @@ class Parts:
     shared: SharedState | None
     operators: Operators
     role: Role
-    workers: Workers | None  # the control process: its serving workers
+    workers: WorkerTable | None  # the control process: its serving workers
     link: ControlLink | None  # a serving worker: its line to the control process
     keyring: Keyring  # the API keys and their tenants
     ledger: Ledger  # what each key used
@@ -204,11 +204,11 @@ def _router(config: Config, pool: BackendPool, link: RedisLink | None, metrics: 
 
 
 def _workers(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
-             discovery: Discovery) -> Workers | None:
+             discovery: Discovery) -> WorkerTable | None:
     """The control process's table of its serving workers (None in any other process)."""
     if role.kind is not Kind.CONTROL:
         return None
-    return Workers(pool, supervisors, discovered=discovery.found)
+    return WorkerTable(pool, supervisors, discovered=discovery.found)
 
 
 def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
@@ -223,7 +223,7 @@ def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,
                canary: Canary, status: Status, metrics: Metrics, reloadable: Reloadable,
-               shared: SharedState | None, workers: Workers | None,
+               shared: SharedState | None, workers: WorkerTable | None,
                link: ControlLink | None, discovery: Discovery) -> Operators:
     key = config.gateway.admin_key
     args = (pool, reloadable.supervisors, breakers, key.get_secret_value() if key else None,

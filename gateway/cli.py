@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway import workers
+    from gateway.control import process
     from gateway.errors import StreamAborted
     from gateway.http.server import DescriptorLimit, connection_cap
 
@@ -59,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     path = str(Path(args.config).resolve())
     processes = config.gateway.processes
     if processes > 1:
-        return workers.serve(config, path, processes)
+        return process.serve(config, path, processes)
     os.environ[CONFIG_ENV] = path  # the app factory reads the config from this path
     uvicorn.run("gateway.app:from_env", factory=True, host=config.gateway.host,
                 port=config.gateway.port, **workers.uvicorn_options(config.gateway))

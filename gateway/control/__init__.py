@@ -7,9 +7,10 @@ every operator change of a backend's life (drain, restart, stop, start, reload).
 workers serve clients; each adopts the versioned ``snapshot`` the control process publishes
 whole, and reports its in-flight counts back (which doubles as its heartbeat: a worker that
 stops reporting is killed and replaced), so a drain waits for every worker's requests.
-``role`` names the three kinds of process; ``link`` is a worker's side of the control
-socket, ``server`` the control process's.
+``process`` is the control process itself, ``role`` names the three kinds of process,
+``server`` holds the control process's table of its workers and the socket's routes,
+``snapshot`` what it publishes, and ``link`` a worker's side of the socket. The workers'
+own entry is ``gateway.workers``.
 
-May import the leaves, ``backends``, and every room below the front door; only the front
-door imports it.
+Part of the front door: it may import every room below, and ``build`` and ``lifespan``.
 """

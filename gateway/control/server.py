@@ -40,7 +40,7 @@ SILENT = 5.0
 FIRST_REPORT = 60.0
 
 
-class Workers:
+class WorkerTable:
     """The serving workers as the control process knows them: pids and their last reports."""
 
     def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor],
@@ -144,4 +144,4 @@ class Workers:
                         media_type="application/json")
 
     def __repr__(self) -> str:
-        return f"<Workers [{len(self.pids)} | reported {len(self._reports)}]>"
+        return f"<WorkerTable [{len(self.pids)} | reported {len(self._reports)}]>"

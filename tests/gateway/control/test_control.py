@@ -10,7 +10,7 @@ import orjson
 
 from backends.backend import Backend, BackendState, GpuReading, LoadReport
 from gateway.control.link import ControlLink
-from gateway.control.server import FIRST_REPORT, SILENT, Workers
+from gateway.control.server import FIRST_REPORT, SILENT, WorkerTable
 from gateway.control.snapshot import encode
 from gateway.routing.pool import BackendPool
 from tests.factories import backend
@@ -32,7 +32,7 @@ def pool(*backends: Backend) -> BackendPool:
 
 def test_in_flight_is_the_sum_over_the_workers_that_are_alive() -> None:
     b = backend("b", ready=True)
-    workers = Workers(pool(b), {})
+    workers = WorkerTable(pool(b), {})
     workers.add(1)
     workers.add(2)
     workers.report(1, {"b": (3, "ready")})
@@ -46,7 +46,7 @@ def test_in_flight_is_the_sum_over_the_workers_that_are_alive() -> None:
 
 def test_a_worker_that_has_not_seen_a_drain_counts_as_busy() -> None:
     b = backend("b", ready=True)
-    workers = Workers(pool(b), {})
+    workers = WorkerTable(pool(b), {})
     for pid in (1, 2):
         workers.add(pid)
         workers.report(pid, {"b": (0, "ready")})
@@ -60,7 +60,7 @@ def test_a_worker_that_has_not_seen_a_drain_counts_as_busy() -> None:
 def test_settle_waits_for_a_report_from_every_worker() -> None:
     clock = Clock()
     b = backend("b", ready=True)
-    workers = Workers(pool(b), {}, clock=clock)
+    workers = WorkerTable(pool(b), {}, clock=clock)
     workers.add(1)
     workers.add(2)
 
@@ -80,7 +80,7 @@ def test_settle_waits_for_a_report_from_every_worker() -> None:
 
 def test_the_snapshot_carries_each_life_and_versions_only_changes() -> None:
     b = backend("s", spawn=SPAWN)
-    snapshot = Workers(pool(b), {}).snapshot
+    snapshot = WorkerTable(pool(b), {}).snapshot
     first = snapshot()
     assert first["version"] == 1 and first["backends"]["s"]["state"] == "starting"
     assert snapshot()["version"] == 1  # nothing changed: the same version
@@ -106,7 +106,7 @@ def test_what_the_control_publishes_is_what_a_worker_adopts() -> None:
     source.last_probe, source.flaps = "ok", 3
     copy = backend("s", spawn=SPAWN)
     link = ControlLink("/nonexistent", pool(copy))
-    link.adopt(orjson.loads(orjson.dumps(Workers(pool(source), {}).snapshot())))
+    link.adopt(orjson.loads(orjson.dumps(WorkerTable(pool(source), {}).snapshot())))
     assert copy.life() == source.life()
 
 
@@ -131,7 +131,7 @@ def test_a_worker_adopts_only_a_new_version_or_a_backend_new_to_it() -> None:
 
 def test_a_worker_that_stops_reporting_is_silent_and_a_new_one_has_longer() -> None:
     clock = Clock()
-    workers = Workers(pool(), {}, clock)
+    workers = WorkerTable(pool(), {}, clock)
     workers.add(1)
     workers.add(2)
     workers.report(1, {})
@@ -148,7 +148,7 @@ def test_a_worker_that_stops_reporting_is_silent_and_a_new_one_has_longer() -> N
 
 def test_a_pause_of_the_control_process_makes_nobody_silent() -> None:
     clock = Clock()
-    workers = Workers(pool(), {}, clock)
+    workers = WorkerTable(pool(), {}, clock)
     workers.add(1)
     workers.add(2)
     workers.report(1, {})
@@ -161,7 +161,7 @@ def test_a_pause_of_the_control_process_makes_nobody_silent() -> None:
 
 def test_the_replicas_counts_are_summed_over_its_workers() -> None:
     a, b = backend("a", ready=True), backend("b", ready=True)
-    workers = Workers(pool(a, b), {})
+    workers = WorkerTable(pool(a, b), {})
     workers.add(1)
     workers.add(2)
     workers.report(1, {"a": (2, "ready")}, {"a": 3})
