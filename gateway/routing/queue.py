@@ -69,7 +69,8 @@ class WaitQueue:
             future: asyncio.Future[None] = loop.create_future()
             self._pinned.add(future)
             try:
-                await asyncio.wait_for(future, left)
+                async with asyncio.timeout(left):  # not wait_for: it may swallow a cancel
+                    await future
             except TimeoutError:
                 return False
             finally:
@@ -94,7 +95,10 @@ class WaitQueue:
         depth.inc()
         began = loop.time()
         try:
-            await asyncio.wait_for(future, self._settings.max_wait)
+            # Not asyncio.wait_for: on Python 3.11 a cancel (the client hung up) that comes
+            # once the future is done is swallowed, and the request would go on for nobody.
+            async with asyncio.timeout(self._settings.max_wait):
+                await future
         except TimeoutError:
             self._metrics.shed.labels("timeout").inc()
             raise Shed(f"every backend for this model stayed at capacity for "

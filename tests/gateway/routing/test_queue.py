@@ -103,3 +103,17 @@ def test_a_waiter_whose_client_left_is_gone_from_the_queue() -> None:
         await next_
 
     assert scenario(body) == ["next"]
+
+
+def test_a_waiter_woken_as_its_client_leaves_passes_the_place_on() -> None:
+    """Woken, and cancelled before it ran (its client hung up meanwhile): it leaves, and the
+    next waiter gets the place (on Python 3.11 ``asyncio.wait_for`` returned instead)."""
+    async def body(queue: WaitQueue, order: list[str]) -> None:
+        gone = await waiting(queue, order, "gone", 0, "a")
+        next_ = await waiting(queue, order, "next", 0, "b")
+        queue.freed()  # wakes "gone"...
+        gone.cancel()  # ...whose client leaves before it runs
+        await asyncio.gather(gone, return_exceptions=True)
+        await next_
+
+    assert scenario(body) == ["next"]
