@@ -142,9 +142,13 @@ class Lifespan:
     async def _discover(self) -> None:
         """Resolve the ``discover`` names every ``health.discover_interval`` (a reload may
         add or remove such entries: the loop runs while any is configured at start)."""
-        reloader = self._parts.operators.reloader
+        reloader, link = self._parts.operators.reloader, self._parts.link
         while True:
-            await asyncio.sleep(self._config.health.discover_interval)
+            interval = self._config.health.discover_interval
+            if link is not None:  # a worker: as soon as its control process found a change
+                await link.discovery_changed(interval)
+            else:
+                await asyncio.sleep(interval)
             try:
                 await reloader.rediscover()
             except Exception:  # a bad round must not end discovery

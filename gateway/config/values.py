@@ -10,26 +10,49 @@ import os
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+OWN_CGROUP = Path("/proc/self/cgroup")
 
 
-def usable_cores(cgroup: Path = CGROUP) -> int:
+def usable_cores(cgroup: Path = CGROUP, own: Path = OWN_CGROUP) -> int:
     """The cores this process may run on, and no more than its CPU quota allows (a container
-    given ``--cpus=1`` on a 64-core host has one core's worth, whatever its affinity)."""
+    given ``--cpus=1`` on a 64-core host has one core's worth, whatever its affinity): the
+    smallest quota on the way from the process's own cgroup up to the root."""
     cores = len(os.sched_getaffinity(0))
-    quota = _quota(cgroup)
-    return max(1, min(cores, math.ceil(quota))) if quota else cores
+    quotas = [q for d in _cgroup_dirs(cgroup, own) if (q := _quota(d)) is not None]
+    return max(1, min(cores, math.ceil(min(quotas)))) if quotas else cores
 
 
-def _quota(cgroup: Path) -> float | None:
+def _cgroup_dirs(cgroup: Path, own: Path) -> list[Path]:
+    """The process's own cgroup directories (v2, and v1's cpu controller) and each parent up
+    to the root, which is always looked at (a container's own namespace shows "/")."""
+    found = [cgroup, cgroup / "cpu"]
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        base = cgroup if hierarchy == "0" else (
+            cgroup / "cpu" if "cpu" in controllers.split(",") else None)
+        if base is None:
+            continue
+        here = base / path.strip("/")
+        while here != base and base in here.parents:
+            found.append(here)
+            here = here.parent
+    return found
+
+
+def _quota(directory: Path) -> float | None:
     """cgroup v2 ``cpu.max`` ("QUOTA PERIOD", or "max PERIOD"), else v1's cfs pair."""
     try:
-        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
-        period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        quota = (directory / "cpu.cfs_quota_us").read_text().strip()
+        period = (directory / "cpu.cfs_period_us").read_text().strip()
         return None if int(quota) <= 0 else int(quota) / int(period)
     except (OSError, ValueError):
         return None

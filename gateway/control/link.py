@@ -11,6 +11,7 @@ snapshot and says so (``state``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -71,6 +72,14 @@ class ControlLink:
     def discovered(self) -> dict[str, list[str]]:
         """Each discover entry's addresses, as the control process last found them."""
         return self.adopt.discovered
+
+    async def discovery_changed(self, within: float) -> None:
+        """Until the control process's discovered addresses change, or ``within`` s pass."""
+        changed = self.adopt.rediscover
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await changed.wait()
+        changed.clear()
 
     def state(self) -> str:
         """The control process as this worker sees it, for ``/readyz``."""

@@ -110,7 +110,11 @@ class WorkerTable:
         for made in self._pins.values():
             for name, n in made.items():
                 pins[name] = pins.get(name, 0) + n
-        return {"in_flight": {b.name: b.in_flight for b in self._pool.backends},
+        in_flight: dict[str, int] = {}
+        for _, report in self._reports.values():
+            for name, (n, _state) in report.items():
+                in_flight[name] = in_flight.get(name, 0) + n
+        return {"in_flight": {b.name: in_flight.get(b.name, 0) for b in self._pool.backends},
                 "pins": pins}
 
     async def settle(self, within: float = 2.0, poll: float = 0.02) -> None:

@@ -9,6 +9,7 @@ between changes, except a backend object new to it (a reload in the worker made 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -68,10 +69,14 @@ class Adopter:
         self._seen: dict[str, Backend] = {}
         self.problems: dict[str, str | None] = {}
         self.discovered: dict[str, list[str]] = {}  # the control process's DNS answers
+        self.rediscover = asyncio.Event()  # set when they changed: the worker applies them
 
     def __call__(self, snapshot: Mapping[str, Any]) -> None:
         version, lives = snapshot["version"], snapshot["backends"]
-        self.discovered = snapshot.get("discovered", {})
+        discovered = snapshot.get("discovered", {})
+        if discovered != self.discovered:
+            self.discovered = discovered
+            self.rediscover.set()
         for backend in self._pool.backends:
             data = lives.get(backend.name)
             if data is None or (version == self._version

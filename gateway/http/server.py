@@ -47,6 +47,9 @@ END_OF_HEADERS = b"\r\n\r\n"
 # limit, between these bounds; each client connection may hold an upstream one too.
 RESERVED_FDS = (64, 256)
 MIN_CONNECTIONS = 32  # a descriptor limit that allows fewer cannot serve: a start-up error
+# An idle connection younger than this is not closed to make room: one accepted a moment
+# ago may hold its request unread in the socket, and closing it would reset the client.
+MIN_IDLE_AGE = 0.1
 
 
 def _reply(status: bytes, message: str, kind: str, code: str, extra: bytes = b"") -> bytes:
@@ -116,14 +119,15 @@ class _Door:
     __slots__ = ("idle", "lingering", "logged")
 
     def __init__(self) -> None:
-        self.idle: dict[Guarded, None] = {}
+        self.idle: dict[Guarded, float] = {}  # loop time each became idle, oldest first
         self.lingering = 0
-        self.logged = 0.0
+        self.logged: dict[str, float] = {}  # each message's last line
 
     def log(self, message: str, *args: object) -> None:
+        """At most a line a second of each message."""
         now = time.monotonic()
-        if now - self.logged >= 1.0:
-            self.logged = now
+        if now - self.logged.get(message, 0.0) >= 1.0:
+            self.logged[message] = now
             log.error(message, *args)
 
 
@@ -155,6 +159,8 @@ class Guarded(HttpToolsProtocol):
         self._reading_headers = True
         self._refused = False
         self._turned_away = False
+        self._lingers_refused = False  # a refusal counted in door.lingering
+        self._begun = self._answered = 0  # requests begun and answered on this connection
         self._header_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
         self._hangup: Callable[[], None] | None = None
@@ -171,7 +177,7 @@ class Guarded(HttpToolsProtocol):
             self._turn_away(transport)
             return
         super().connection_made(transport)
-        self.door.idle[self] = None
+        self.door.idle[self] = self.loop.time()
         self._arm()  # a client that connects and sends nothing is closed too
 
     def _make_room(self) -> bool:
@@ -179,12 +185,14 @@ class Guarded(HttpToolsProtocol):
         door = self.door
         if not door.idle:
             return False
-        oldest = next(iter(door.idle))
+        oldest, since = next(iter(door.idle.items()))
+        if self.loop.time() - since < MIN_IDLE_AGE:
+            return False
+        door.log("idle connection closed to make room: %d open connections, the cap "
+                 "(gateway.max_connections)", len(self.connections))
         del door.idle[oldest]
         oldest.transport.close()
         self.connections.discard(oldest)  # its connection_lost comes later; the room is now
-        door.log("idle connection closed to make room: %d open connections, the cap "
-                 "(gateway.max_connections)", len(self.connections))
         if (evicted := self.app_state.get(EVICTED)) is not None:
             evicted.inc()
         return True
@@ -202,12 +210,14 @@ class Guarded(HttpToolsProtocol):
             transport.close()
             return
         door.lingering += 1
+        self._lingers_refused = True
         self._answer(FULL)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         if self._turned_away:
-            self.door.lingering -= 1
+            if self._lingers_refused:
+                self.door.lingering -= 1
             return
         self.door.idle.pop(self, None)
         super().connection_lost(exc)
@@ -296,6 +306,11 @@ class Guarded(HttpToolsProtocol):
                 return
         super().data_received(data)
 
+    def on_message_begin(self) -> None:
+        self._begun += 1
+        self.door.idle.pop(self, None)
+        super().on_message_begin()
+
     def on_headers_complete(self) -> None:
         self._disarm()
         self._reading_headers = False
@@ -306,16 +321,21 @@ class Guarded(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         self._hangup = None
-        pipelined = bool(self.pipeline)
+        self._answered += 1
+        pipelined = bool(self.pipeline)  # the next request's headers are in: it starts now
         super().on_response_complete()
-        if self._refused:  # closing, lingering
+        if self._refused or pipelined or self.transport.is_closing():
             return
         # Idle until the next request is uvicorn's keep-alive timeout; its headers'
-        # deadline starts with its first byte.
+        # deadline starts with its first byte. One whose headers began arriving meanwhile
+        # is not idle: its deadline runs from now.
         self._reading_headers = True
         self._header_bytes = 0
-        if not pipelined and not self.transport.is_closing():
-            self.door.idle[self] = None
+        if self._begun > self._answered:
+            if self._deadline is None:
+                self._arm()
+        else:
+            self.door.idle[self] = self.loop.time()
 
 
 def guarded(header_timeout: float, max_header_bytes: int,

@@ -84,7 +84,7 @@ class Proxy:
         self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
         if config.resilience.continue_streams != "off":
             self._relay.resume = Resume(config.resilience, config.upstream, router, self._open,
-                                        self._relay, metrics, self._attempt_ended, tracing)
+                                        self._relay, metrics, self._tally.attempt, tracing)
         self._metrics = metrics
         self._router = router
         self._budget = RetryBudget(config.upstream.retry_budget_ratio,
@@ -135,8 +135,10 @@ class Proxy:
             deadline.cancel()
             self._held.give(len(body))
             if record is not None:
-                if record.placed:  # the tenant's share; its last attempt woke the next one
-                    self._queue.give(record.tenant)
+                if record.placed:
+                    self._queue.give(record.tenant)  # the place it held: the next one goes
+                    if not self._queue.idle:
+                        self._queue.freed()
                 self._gate.done(record, admitting)
                 self._log.done(record, loop.time())
 
@@ -213,7 +215,7 @@ class Proxy:
             return self._attempts(record, send, deadline, total, None, None, [], None)
         failure: GatewayError | None = None
         for n in range(1, self._timeouts.max_attempts + 1):
-            ticket = await self._place(record, tried, arm, drawn)
+            ticket = await self._place(record, tried, arm, drawn, n > 1)
             arm = None
             if admitting is not None and ticket is not None:
                 await _admitted(admitting, ticket)
@@ -223,7 +225,7 @@ class Proxy:
             tried.append(ticket.backend)
             record.attempts += 1  # a fallback model's attempts count on
             self._hold(record)
-            with Attempt(ticket, request.started, self._attempt_ended):
+            with Attempt(ticket, request.started, self._tally.attempt):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 reply = await self._open(ticket.backend, record, deadline)
                 outcome, step = self._judge(reply, ticket, record, tried, n)
@@ -250,9 +252,13 @@ class Proxy:
         await self._rescue.exhausted(record, tried[excluded:], failure, send, again)
 
     async def _place(self, record: Record, tried: list[Backend], arm: asyncio.Task[None] | None,
-                     drawn: str | None) -> Ticket | None:
+                     drawn: str | None, retry: bool = False) -> Ticket | None:
         """The next attempt's backend (waiting while all are full); the session's stored arm
-        settled on the first; stable's when the canary arm has none left."""
+        settled on the first; stable's when the canary arm has none left. A ``retry`` first
+        wakes the next queued request: the place the last attempt held is free now, not when
+        this request ends."""
+        if retry and not self._queue.idle:
+            self._queue.freed()
         ticket = await self._router.place(record.request, record.group, tried, self._queue,
                                           record.tenant, record.priority, not record.outside_arm)
         if arm is not None:
@@ -260,14 +266,6 @@ class Proxy:
         if ticket is None and self._to_stable(record, tried):
             ticket = await self._router.choose(record.request, record.group, tried, sticky=False)
         return ticket
-
-    def _attempt_ended(self, ticket: Ticket, started: float) -> None:
-        """An attempt's place on its backend is free (a retry moves elsewhere, or the
-        request ends): the next queued request goes now, not when this request ends. It runs
-        once this task yields, after the request's end gave back its tenant's share."""
-        self._tally.attempt(ticket, started)
-        if not self._queue.idle:
-            self._queue.freed()
 
     def _hold(self, record: Record) -> None:
         """One place per request (given back when it ends), however many attempts."""

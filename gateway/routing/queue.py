@@ -100,9 +100,12 @@ class WaitQueue:
             async with asyncio.timeout(self._settings.max_wait):
                 await future
         except TimeoutError:
-            self._metrics.shed.labels("timeout").inc()
-            raise Shed(f"every backend for this model stayed at capacity for "
-                       f"{self._settings.max_wait:g} s; retry later", "queue_timeout") from None
+            if not (future.done() and not future.cancelled() and future.exception() is None):
+                self._metrics.shed.labels("timeout").inc()
+                raise Shed(f"every backend for this model stayed at capacity for "
+                           f"{self._settings.max_wait:g} s; retry later",
+                           "queue_timeout") from None
+            # woken in the very turn its wait ran out: it goes
         except BaseException:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.freed()  # woken as it left (its client hung up): the next one goes

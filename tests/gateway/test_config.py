@@ -160,7 +160,24 @@ def test_auto_workers_follow_the_containers_cpu_quota(
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     affinity = len(os.sched_getaffinity(0))
-    assert usable_cores(tmp_path) == (affinity if cores is None else min(cores, affinity))
+    expected = affinity if cores is None else min(cores, affinity)
+    assert usable_cores(tmp_path, tmp_path / "no-such-file") == expected
+
+
+def test_auto_workers_find_a_quota_set_on_the_processs_own_cgroup(tmp_path: Path) -> None:
+    """A systemd unit's CPUQuota, or a container sharing the host's cgroup namespace: the
+    quota is on the process's own cgroup (or a parent), not on the root."""
+    root = tmp_path / "fs"
+    unit = root / "system.slice" / "gateway.service"
+    unit.mkdir(parents=True)
+    (root / "cpu.max").write_text("max 100000\n")
+    (root / "system.slice" / "cpu.max").write_text("100000 100000\n")  # 1 core, a parent
+    (unit / "cpu.max").write_text("max 100000\n")
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/system.slice/gateway.service\n")
+    assert usable_cores(root, own) == 1
+    own.write_text("0::/\n")  # its own namespace: the root's quota (none here)
+    assert usable_cores(root, own) == len(os.sched_getaffinity(0))
 
 
 def test_workers_mix_with_spawned_backends_and_the_embedded_redis() -> None:

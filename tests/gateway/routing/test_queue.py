@@ -117,3 +117,19 @@ def test_a_waiter_woken_as_its_client_leaves_passes_the_place_on() -> None:
         await next_
 
     assert scenario(body) == ["next"]
+
+
+def test_a_waiter_woken_in_the_turn_its_wait_runs_out_goes() -> None:
+    """A place freed in the very loop turn a waiter's ``max_wait`` ends: the waiter takes it
+    (it was woken) instead of a 503 that would lose the wake. The loop's clock is the
+    test's, so both fall due in one turn."""
+    async def body(queue: WaitQueue, order: list[str]) -> None:
+        loop = asyncio.get_running_loop()
+        now = [loop.time()]
+        loop.time = lambda: now[0]  # type: ignore[method-assign]
+        first = await waiting(queue, order, "first", 0, "a")
+        loop.call_at(now[0] + 1.0 - 1e-6, queue.freed)
+        now[0] += 1.0  # its timeout and the freed place, in the same turn
+        await first
+
+    assert scenario(body, max_wait=1.0) == ["first"]
