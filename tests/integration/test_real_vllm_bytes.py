@@ -96,8 +96,10 @@ def test_an_http10_client_gets_a_stream_whole_with_its_length(alias: Gateway) ->
 
 def test_a_reload_that_remaps_models_reaches_the_body_and_the_reply(alias: Gateway) -> None:
     client = sdk(alias)
-    with pytest.raises(openai.NotFoundError):  # nothing serves it yet
+    # Declared, but nothing serves it yet: a 503 to retry, not a 404 (issue 36).
+    with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(model="later", messages=MESSAGES, max_tokens=2)
+    assert refused.value.status_code == 503
     text = alias.config_path.read_text()
     alias.config_path.write_text(text.replace('"not-served-yet"', '"tiny-llama"'))
     alias.proc.popen.send_signal(signal.SIGHUP)
