@@ -16,6 +16,8 @@ from gateway.errors import EXIT_CONFIG
 from gateway.observability import logs
 
 if TYPE_CHECKING:  # argparse has no public name for it, and it is generic only in typeshed
+    from gateway.control.process import Plane
+
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 log = logging.getLogger("gateway")
@@ -60,11 +62,30 @@ def _serve(args: argparse.Namespace) -> int:
     path = str(Path(args.config).resolve())
     processes = config.gateway.processes
     if processes > 1:
-        return process.serve(config, path, processes)
+        return process.serve(config, path, processes, _control_plane(config, path))
     os.environ[CONFIG_ENV] = path  # the app factory reads the config from this path
     uvicorn.run("gateway.app:from_env", factory=True, host=config.gateway.host,
                 port=config.gateway.port, **workers.uvicorn_options(config.gateway))
     return 0
+
+
+def _control_plane(config: Config, path: str) -> Plane:
+    """What the control process runs, built as every process's parts are."""
+    from gateway.build import build
+    from gateway.control.process import Plane
+    from gateway.control.role import Kind, Role
+    from gateway.lifespan import Lifespan
+
+    parts = build(config, path, Role(Kind.CONTROL))
+    assert parts.workers is not None
+    operators, shared = parts.operators, parts.shared
+
+    def redis_url() -> str | None:
+        embedded = shared.embedded if shared is not None else None
+        return embedded.url if embedded is not None else None
+
+    return Plane(parts.workers, [*operators.admin.routes(), *operators.canary.routes()],
+                 lambda: Lifespan(parts, config)(None), redis_url)
 
 
 def _check(args: argparse.Namespace) -> int:

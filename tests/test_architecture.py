@@ -19,7 +19,7 @@ FLOORS: list[set[str]] = [
     {"canary"},
     {"observability"},
     {"admin"},
-    # the front door; control/ holds the control process, which builds what the others do
+    # the front door; control/ holds the control plane (cli hands it what build made)
     {"app", "build", "cli", "control", "lifespan", "proxy", "workers", "__main__", "__init__"},
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

@@ -12,5 +12,6 @@ stops reporting is killed and replaced), so a drain waits for every worker's req
 ``snapshot`` what it publishes, and ``link`` a worker's side of the socket. The workers'
 own entry is ``gateway.workers``.
 
-Part of the front door: it may import every room below, and ``build`` and ``lifespan``.
+Part of the front door, below ``build`` (which builds its parts) and ``cli`` (which hands
+the control process what ``build`` and the lifespan made: ``process.Plane``).
 """

@@ -26,18 +26,19 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 
 import uvicorn
 from prometheus_client import multiprocess
 from starlette.applications import Starlette
+from starlette.routing import BaseRoute
 
 from backends.reaper import dies_with
-from gateway.build import Parts, build
 from gateway.config import CONFIG_ENV, Config
 from gateway.control.role import Kind, Role
 from gateway.control.server import WorkerTable
-from gateway.lifespan import Lifespan
 from gateway.metrics import MULTIPROC_ENV
 from gateway.workers import UVICORN
 
@@ -56,14 +57,24 @@ class _Unsignalled(uvicorn.Server):
         yield
 
 
+@dataclass(frozen=True)
+class Plane:
+    """What the control process runs, built by the front door (``gateway.build``, and the
+    lifespan that starts the embedded valkey and the backends)."""
+
+    workers: WorkerTable
+    routes: list[BaseRoute]  # the admin verbs and canary actions the workers forward
+    lifespan: Callable[[], AbstractAsyncContextManager[object]]
+    redis_url: Callable[[], str | None]  # the embedded valkey's, once the lifespan began
+
+
 class Control:
-    def __init__(self, config: Config, path: str, processes: int) -> None:
+    def __init__(self, config: Config, path: str, processes: int, plane: Plane) -> None:
         self._config = config
         self._path = path
         self._processes = processes
-        self._parts: Parts = build(config, path, Role(Kind.CONTROL))
-        assert self._parts.workers is not None
-        self._workers: WorkerTable = self._parts.workers
+        self._plane = plane
+        self._workers = plane.workers
         self._running: dict[int, asyncio.subprocess.Process] = {}
         self._hung: set[int] = set()  # killed by the watchdog, not yet reaped
         self._stopping = False
@@ -78,7 +89,7 @@ class Control:
         try:
             # Like one process: Redis and the backends start (a bad data dir exits 2 there),
             # then the port is bound.
-            async with Lifespan(self._parts, self._config)(None):
+            async with self._plane.lifespan():
                 try:
                     socks = self._listen()
                 except OSError as exc:
@@ -109,9 +120,7 @@ class Control:
         await serving
 
     async def _control_server(self, path: str) -> tuple[_Unsignalled, asyncio.Task[None]]:
-        operators = self._parts.operators
-        app = Starlette(routes=[*self._workers.routes(), *operators.admin.routes(),
-                                *operators.canary.routes()])
+        app = Starlette(routes=[*self._workers.routes(), *self._plane.routes])
         server = _Unsignalled(uvicorn.Config(app, uds=path, lifespan="off", log_config=None,
                                              access_log=False))
         task = asyncio.create_task(server.serve(), name="control-socket")
@@ -123,9 +132,7 @@ class Control:
         return server, task
 
     def _worker_env(self, control: str, private: str) -> dict[str, str]:
-        shared = self._parts.shared
-        embedded = shared.embedded if shared is not None else None
-        role = Role(Kind.WORKER, control, embedded.url if embedded is not None else None)
+        role = Role(Kind.WORKER, control, self._plane.redis_url())
         metrics = os.path.join(private, "metrics")
         os.mkdir(metrics)
         return {**os.environ, CONFIG_ENV: self._path, MULTIPROC_ENV: metrics, **role.env()}
@@ -219,5 +226,5 @@ class Control:
         await asyncio.gather(*late, return_exceptions=True)
 
 
-def serve(config: Config, path: str, processes: int) -> int:
-    return asyncio.run(Control(config, path, processes).run())
+def serve(config: Config, path: str, processes: int, plane: Plane) -> int:
+    return asyncio.run(Control(config, path, processes, plane).run())
