@@ -295,10 +295,7 @@ class Guarded(HttpToolsProtocol):
             return
         if self._reading_headers:
             if self._deadline is None:  # a kept-alive connection's next request
-                self.door.idle.pop(self, None)
                 self._arm()
-            elif not self._header_bytes:
-                self.door.idle.pop(self, None)
             end = data.find(END_OF_HEADERS)
             self._header_bytes += len(data) if end < 0 else end
             if self._header_bytes > self.max_header_bytes:
