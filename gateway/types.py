@@ -47,6 +47,16 @@ class StreamCause(enum.StrEnum):
 
 
 @dataclass(slots=True)
+class Facts:
+    """What Redis said of one request's session, read once before it is routed."""
+
+    answered: bool = False  # False: Redis could not say (hash the session meanwhile)
+    pin: str | None = None  # the backend it is pinned to (None: none)
+    new: bool = False  # ``pin`` is the one proposed for it: its first request
+    arm: str | None = None  # the canary arm it was given (None: none yet)
+
+
+@dataclass(slots=True)
 class Record:
     """What happened to one request, filled in along the way."""
 
@@ -69,13 +79,10 @@ class Record:
     trace: object = field(default=None, repr=False)  # its spans, when tracing is on
     allowed: frozenset[str] | None = None  # the models its key may use (None: any)
     fallback_of: str | None = None  # the model it asked for, when a fallback answers it
+    session: Facts | None = field(default=None, repr=False)  # its session, as Redis said
 
 
 class Policy(Protocol):
     """Chooses one backend among already-filtered candidates (never empty). No I/O."""
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend: ...
-
-    def rewind(self, choice: Backend) -> None:
-        """Take back a ``choose`` that chose ``choice``: it was not used (the session turned out
-        to be pinned already), so the policy's rotation must not count it."""

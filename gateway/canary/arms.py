@@ -2,69 +2,63 @@
 
 A request without a session is drawn by weight; a session's first arm is a hash of it
 against the weight (so without Redis every process puts it in the same arm while the
-weights stay) and is then stored beside its pin (``arm:MODEL:SESSION``), claimed once with
-SET NX and refreshed on use, so it keeps that arm when the weights change, until its arm's
-weight drops to zero.
+weights stay) and is then stored beside its pin (``arm:MODEL:SESSION``, a ``PinStore`` of
+kind "arm"), read with the pin in the request's one round trip and refreshed on use, so it
+keeps that arm when the weights change, until its arm's weight drops to zero.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from gateway.canary.rollout import Canary
+from gateway.routing.pins import PinStore
 from gateway.routing.pool import BackendPool
-from gateway.state.link import RedisLink
-from gateway.types import Record
-
-
-class ArmStore:
-    """Which arm a session is in, kept in Redis for ``ttl`` seconds after its last use."""
-
-    def __init__(self, link: RedisLink, ttl: float) -> None:
-        self._link = link
-        self._prefix = link.prefix + "arm:"
-        self._ttl_ms = int(ttl * 1000)
-
-    async def claim(self, key: str, drawn: str) -> tuple[bool, str | None]:
-        """(answered, the session's arm before this call); None means ``drawn`` was stored.
-        One round trip, shared with the request's pin claim."""
-        return await self._link.claim(self._prefix + key, drawn, self._ttl_ms)
-
-    async def move(self, key: str, arm: str) -> None:
-        await self._link.execute(("SET", self._prefix + key, arm, "PX", self._ttl_ms))
+from gateway.types import Facts, Record
 
 
 class Arms:
     """Puts each request in an arm (``Record.group``) while a rollout is on."""
 
-    def __init__(self, pool: BackendPool, canary: Canary, store: ArmStore | None = None) -> None:
+    def __init__(self, pool: BackendPool, canary: Canary, store: PinStore | None = None) -> None:
         self._pool = pool
         self._canary = canary
         self.store = store
 
-    def assign(self, record: Record) -> asyncio.Task[None] | None:
-        """Put the request in a canary arm (``record.group``): a session keeps the arm it
-        was first given while that arm has weight; other requests are drawn by weight.
-
-        The drawn arm is set at once; for a session, the stored arm is checked by the task
-        returned, which the caller awaits after starting its pin lookup, so that both go
-        to Redis in one round trip. The task may change ``record.group``."""
+    def draw(self, record: Record) -> None:
+        """Put the request in a canary arm (``record.group``) drawn by weight (a session's
+        by a hash of it, so every process draws the same), before its session's stored arm
+        is read (``settle``)."""
         canary, request = self._canary, record.request
         if not canary.enabled:
-            return None
+            return
         if request.session_key is None:
             drawn = canary.draw()
         else:
             drawn = canary.draw_for(f"{request.model}:{request.session_key}")
-        if not self._pool.known_model(request.model, drawn):
-            other = canary.stable if drawn == canary.group else canary.group
-            record.group = other if self._pool.known_model(request.model, other) else None
-            return None
-        record.group = drawn
-        if request.session_key is None or self.store is None:
-            return None
-        return asyncio.ensure_future(self._confirm(record, self.store, drawn))
+        if self._pool.known_model(request.model, drawn):
+            record.group = drawn
+            return
+        other = canary.stable if drawn == canary.group else canary.group
+        record.group = other if self._pool.known_model(request.model, other) else None
+
+    def settle(self, record: Record, facts: Facts | None) -> None:
+        """A session keeps the arm it was first given (``facts.arm``, read with its pin)
+        while that arm has weight; what changed is stored off the request's path."""
+        canary, request = self._canary, record.request
+        drawn = record.group
+        if (not canary.enabled or request.session_key is None or self.store is None
+                or facts is None or not facts.answered or drawn is None or facts.arm == drawn
+                or not self._pool.known_model(request.model, drawn)):
+            return
+        key = f"{request.model}:{request.session_key}"
+        stored = facts.arm
+        if stored is None:
+            self.store.keep(key, drawn, new=True)
+        elif canary.weight_of(stored) > 0 and self._pool.known_model(request.model, stored):
+            record.group = stored
+        else:  # its arm was removed: the session moves, once, and stays
+            self.store.keep(key, drawn, new=False)
 
     def to_stable(self, record: Record, serves: Callable[[str], bool]) -> bool:
         """The request's canary arm has no backend left to take it (all down, or tried):
@@ -77,14 +71,3 @@ class Arms:
         record.group, record.outside_arm = canary.stable, True  # its pin stays the canary's
         record.note = record.note or "canary unavailable: stable served"
         return True
-
-    async def _confirm(self, record: Record, store: ArmStore, drawn: str) -> None:
-        request = record.request
-        key = f"{request.model}:{request.session_key}"
-        answered, stored = await store.claim(key, drawn)
-        if not answered or stored is None or stored == drawn:
-            return
-        if self._canary.weight_of(stored) > 0 and self._pool.known_model(request.model, stored):
-            record.group = stored
-        else:  # its arm was removed: the session moves, once, and stays
-            await store.move(key, drawn)

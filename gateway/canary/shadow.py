@@ -44,7 +44,7 @@ class Shadow:
         return task
 
     async def _run(self, request: Request, group: str) -> None:
-        ticket = await self._router.choose(request, group)
+        ticket = self._router.choose(request, group)
         if ticket is None:
             self._counter.labels("no_backend").inc()
             return

@@ -95,7 +95,8 @@ class Resume:
             if loop.time() >= total:
                 return self._declined(record, "the request's total_timeout is spent")
             try:
-                ticket = await self._router.choose(original, record.group, tried)
+                ticket = self._router.choose(original, record.group, tried,
+                                             facts=record.session)
             except NoRoom:
                 ticket = None
             if ticket is None:

@@ -1,41 +1,39 @@
-"""Session pins in Redis, through the process's ``RedisLink`` (never fatal, never slow).
+"""Session state in Redis, through the process's ``RedisLink`` (never fatal, never slow):
+which backend a session is pinned to (``pin:MODEL:SESSION``) and which canary arm it is in
+(``arm:MODEL:SESSION``), each kept ``ttl`` seconds after its last use.
 
-When Redis can't answer, every call returns ``answered=False`` at once and callers fall
-back to consistent hashing meanwhile.
+A request asks both in the one round trip it makes before it is forwarded: its pin is
+claimed (``claim``: the backend proposed for a new session is stored unless the session has
+one, atomically, so concurrent first requests of a session on any process agree), its arm
+read (``read``), both TTLs refreshed. What it decides from them later (a session moved, an
+arm first stored) is written off its path (``keep``). When Redis can't answer, callers
+fall back to consistent hashing meanwhile.
 """
 
 from __future__ import annotations
 
-from gateway.state.link import RedisLink, text
+from gateway.state.link import Command, RedisLink
 
 
 class PinStore:
-    def __init__(self, link: RedisLink, ttl: float) -> None:
+    def __init__(self, link: RedisLink, ttl: float, kind: str = "pin") -> None:
         self._link = link
-        self._prefix = link.prefix + "pin:"
+        self._prefix = f"{link.prefix}{kind}:"
         self._ttl_ms = int(ttl * 1000)
 
-    @property
-    def up(self) -> bool:
-        return self._link.up
+    def claim(self, session: str, proposed: str) -> tuple[Command, Command]:
+        """The commands that store ``proposed`` unless ``session`` has a value, and answer
+        the value it had (None: ``proposed`` was stored), its TTL refreshed either way."""
+        key = self._prefix + session
+        return (("SET", key, proposed, "NX", "GET", "PX", self._ttl_ms, {"get": True}),
+                ("PEXPIRE", key, self._ttl_ms))
 
-    async def claim(self, session: str, backend: str) -> tuple[bool, str | None]:
-        """Pin ``session`` to ``backend`` unless pinned already, and refresh the pin's TTL.
+    def read(self, session: str) -> Command:
+        """The command that reads ``session``'s value and refreshes its TTL (GETEX)."""
+        return ("GETEX", self._prefix + session, "PX", self._ttl_ms)
 
-        Returns (answered, existing pin); (True, None) means our claim won. One round trip,
-        shared with every other request of this loop turn."""
-        return await self._link.claim(self._prefix + session, backend, self._ttl_ms)
-
-    async def get(self, session: str) -> tuple[bool, str | None]:
-        """The session's pin, its TTL refreshed in the same round trip (GETEX)."""
-        answered, results = await self._link.execute(
-            ("GETEX", self._prefix + session, "PX", self._ttl_ms))
-        if not answered or isinstance(results[0], Exception):
-            return False, None
-        return True, text(results[0])
-
-    async def repin(self, session: str, backend: str) -> bool:
-        answered, _ = await self._link.execute(
-            ("SET", self._prefix + session, backend, "PX", self._ttl_ms))
-        return answered
-
+    def keep(self, session: str, value: str, new: bool) -> None:
+        """Store ``session``'s value off the caller's path: ``new`` only if it has none yet
+        (another process may have just stored one), else over the one it had."""
+        nx = ("NX",) if new else ()
+        self._link.soon(("SET", self._prefix + session, value, *nx, "PX", self._ttl_ms))

@@ -20,7 +20,7 @@ import orjson
 from backends.backend import Backend
 from gateway.errors import ResponseNotFound, ResponseUnavailable
 from gateway.routing.pool import BackendPool
-from gateway.state.link import RedisLink, text
+from gateway.state.link import Command, RedisLink, text
 
 log = logging.getLogger("gateway.routing")
 
@@ -69,13 +69,17 @@ class ResponsePins:
         payload["request_id"] = created = f"resp_{uuid.uuid4().hex}"
         return orjson.dumps(payload), created, follows
 
-    async def where(self, response_id: str, required: bool) -> Backend | None:
-        """The backend that stored ``response_id``. Without a record: None for a follow-up
-        (``required=False``: it is routed as any request, and vLLM says if it doesn't know
-        the id), 404 for a retrieval or cancel. Its backend gone: 503 naming the id."""
-        assert self._link is not None
-        answered, results = await self._link.execute(("GET", self._prefix + response_id))
-        named = text(results[0]) if answered and not isinstance(results[0], Exception) else None
+    def command(self, response_id: str) -> Command:
+        """The lookup of where ``response_id`` is stored, for the request's round trip."""
+        return ("GET", self._prefix + response_id)
+
+    def where(self, response_id: str, required: bool, answered: bool,
+              result: object) -> Backend | None:
+        """The backend that stored ``response_id``, from the lookup's answer. Without a
+        record: None for a follow-up (``required=False``: it is routed as any request, and
+        vLLM says if it doesn't know the id), 404 for a retrieval or cancel. Its backend
+        gone: 503 naming the id."""
+        named = text(result) if answered and not isinstance(result, Exception) else None
         shown = response_id[:256]
         if not answered:
             if not required:

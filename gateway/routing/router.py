@@ -23,7 +23,7 @@ from gateway.routing.hashing import rendezvous
 from gateway.routing.pins import PinStore
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import NoRoom, PinFull, WaitQueue
-from gateway.types import Policy, Request
+from gateway.types import Facts, Policy, Request
 
 KV_FULL = 0.99  # vLLM's KV-cache use at which a new request would wait inside vLLM
 
@@ -42,13 +42,15 @@ class Router:
         self._max_load = settings.session_max_load_factor
         self._sticky = metrics.sticky
 
-    async def choose(self, request: Request, group: str | None,
-                     exclude: Sequence[Backend] = (), reserve: int = 0,
-                     pin_wait: bool = False, sticky: bool = True) -> Ticket | None:
-        """A backend of ``group`` admitted by its breaker, or None when there is none.
-        ``pin_wait``: a session pinned to a backend at capacity raises ``PinFull`` while
-        another has room, instead of moving at once. ``sticky=False``: a session's backend
-        is hashed and its pin left as it is (a request served outside its canary arm)."""
+    def choose(self, request: Request, group: str | None, exclude: Sequence[Backend] = (),
+               reserve: int = 0, pin_wait: bool = False, facts: Facts | None = None,
+               sticky: bool = True) -> Ticket | None:
+        """A backend of ``group`` admitted by its breaker, or None when there is none; no
+        I/O. ``facts``: what Redis said of the request's session (None: its session is not
+        followed). ``pin_wait``: a session pinned to a backend at capacity raises
+        ``PinFull`` while another has room, instead of moving at once. ``sticky=False``: a
+        session's backend is hashed and its pin left as it is (a request served outside
+        its canary arm)."""
         exclude = list(exclude)
         while True:
             candidates = [b for b in self._pool.candidates(request.model, group)
@@ -60,7 +62,8 @@ class Router:
                 if not candidates:
                     raise NoRoom
             if candidates:
-                backend = await self._pick(request, candidates, full if pin_wait else (), sticky)
+                backend = self._pick(request, candidates, full if pin_wait else (),
+                                     facts, sticky)
                 ticket = self._breakers.admit(backend)
             else:
                 panic = self._panic(request, group, exclude)
@@ -70,11 +73,10 @@ class Router:
                 ticket = self._breakers.admit(backend, panic=True)
             if ticket is not None:
                 return ticket
-            # Its half-open probe slots filled up while we waited on Redis: look again.
-            exclude.append(backend)
+            exclude.append(backend)  # its half-open probe slots are taken: look again
 
     async def place(self, request: Request, group: str | None, tried: list[Backend],
-                    queue: WaitQueue, tenant: str, band: int,
+                    queue: WaitQueue, tenant: str, band: int, facts: Facts | None,
                     sticky: bool = True) -> Ticket | None:
         """``choose``; while every backend is at capacity, the request waits its turn in
         ``queue`` (behind those already waiting, unless a reserved place is its to take).
@@ -88,7 +90,7 @@ class Router:
         while True:
             reserve = queue.reserve_for(tenant)
             try:
-                return await self.choose(request, group, tried, reserve, pin_wait > 0, sticky)
+                return self.choose(request, group, tried, reserve, pin_wait > 0, facts, sticky)
             except NoRoom:
                 await queue.wait(band, tenant, front)
                 front = True
@@ -128,44 +130,58 @@ class Router:
         return self._breakers.least_bad(
             [b for b in self._pool.ejected(request.model, group) if b not in exclude])
 
-    async def _pick(self, request: Request, candidates: list[Backend],
-                    full: Sequence[Backend] = (), sticky: bool = True) -> Backend:
+    def propose(self, request: Request, group: str | None) -> str | None:
+        """The backend a new session of ``request`` would be pinned to, chosen before its
+        pin is looked up so that the lookup can claim it (None: not a session followed
+        here, or nothing to propose). The pin policy's turn is taken even when the session
+        turns out to have a pin: nothing is taken back."""
         if request.session_key is None or self.store is None:
+            return None
+        candidates = self._pool.candidates(request.model, group)
+        if not candidates:
+            return None
+        roomy = [b for b in candidates if self._room(b, 0)] or candidates
+        return self._pin_policy.choose(roomy, request).name
+
+    def _pick(self, request: Request, candidates: list[Backend], full: Sequence[Backend],
+              facts: Facts | None, sticky: bool) -> Backend:
+        """The session's pinned backend while it can take it (for a new session: the one
+        proposed and claimed), else the policy's choice, kept in Redis off the request's
+        path as the session's new pin."""
+        if request.session_key is None or self.store is None or facts is None:
             return self._policy.choose(candidates, request)
         key = f"{request.model}:{request.session_key}"
-        if not sticky:
+        if not sticky or not facts.answered:
+            if sticky:
+                self._sticky.labels("fallback").inc()
             hashed = rendezvous(key.encode(), candidates)
             assert hashed is not None
             return hashed
-        # Where the session goes if it is new, decided before asking: the claim and the
-        # lookup are then one round trip. A pinned session takes its choice back.
-        choice = self._pin_policy.choose(candidates, request)
-        answered, pinned = await self.store.claim(key, choice.name)
-        if answered and pinned is None:
-            self._sticky.labels("miss").inc()
-            self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1
-            return choice
-        self._pin_policy.rewind(choice)
-        if not answered:
-            self._sticky.labels("fallback").inc()
-            fallback = rendezvous(key.encode(), candidates)
-            assert fallback is not None
-            return fallback
+        pinned = facts.pin
         current = next((b for b in candidates if b.name == pinned), None)
-        if current is None and (held := next((b for b in full if b.name == pinned), None)):
+        if current is None and not facts.new and (
+                held := next((b for b in full if b.name == pinned), None)):
             raise PinFull(held)  # its own is at capacity: it may wait a little for it
-        if current is not None and not self._overloaded(current, candidates):
-            self._sticky.labels("hit").inc()
+        if current is not None and (facts.new or not self._overloaded(current, candidates)):
+            self._count(current, "miss" if facts.new else "hit")
+            facts.new = False  # a retry of this request finds it pinned
             return current
-        # The pinned backend is gone, unhealthy, draining, tried or overloaded: move the
-        # session on purpose, and keep it where it lands.
-        others = [b for b in candidates if b is not current] or candidates
-        policy = self._policy if current is not None else self._pin_policy
-        choice = policy.choose(others, request)
-        await self.store.repin(key, choice.name)
-        self._sticky.labels("repin" if current is None else "rebalance").inc()
-        self.pins_made[choice.name] = self.pins_made.get(choice.name, 0) + 1
+        if pinned is None or facts.new:  # a new session whose proposal can't take it
+            choice, label = self._pin_policy.choose(candidates, request), "miss"
+        else:  # gone, unhealthy, draining, tried or overloaded: moved on purpose, kept there
+            others = [b for b in candidates if b is not current] or candidates
+            policy = self._policy if current is not None else self._pin_policy
+            choice = policy.choose(others, request)
+            label = "repin" if current is None else "rebalance"
+        self.store.keep(key, choice.name, new=pinned is None)
+        facts.pin, facts.new = choice.name, False  # a retry of this request moves from here
+        self._count(choice, label)
         return choice
+
+    def _count(self, backend: Backend, label: str) -> None:
+        self._sticky.labels(label).inc()
+        if label != "hit":
+            self.pins_made[backend.name] = self.pins_made.get(backend.name, 0) + 1
 
     def _overloaded(self, backend: Backend, candidates: Sequence[Backend]) -> bool:
         if not self._max_load or len(candidates) < 2:

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -184,10 +185,13 @@ class RedisLink:
         batch, self._queue = self._queue, []
         task = asyncio.get_running_loop().create_task(self._send(batch), name="redis-batch")
         self._in_flight.add(task)
-        task.add_done_callback(self._sent)
+        task.add_done_callback(partial(self._sent, batch))
 
-    def _sent(self, task: asyncio.Task[None]) -> None:
+    def _sent(self, batch: list[_Queued], task: asyncio.Task[None]) -> None:
         self._in_flight.discard(task)
+        for _, future in batch:  # cancelled before it ran (the link closing): none answered
+            if not future.done():
+                future.set_exception(ConnectionError("cancelled"))
         if self._queue and not self._flush_due:
             self._flush()
 
@@ -244,6 +248,10 @@ class RedisLink:
         task = asyncio.get_running_loop().create_task(self.execute(*commands))
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
+
+    async def settled(self) -> None:
+        """Until the writes made with ``soon`` so far are done."""
+        await asyncio.gather(*self._chores, return_exceptions=True)
 
     async def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
         """Set ``key`` to ``value`` unless it holds one already, and refresh its TTL either

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from gateway.config.tenancy import LimitsSection
 from gateway.errors import Forbidden, NoBackend, RateLimited
 from gateway.metrics import Metrics
-from gateway.state.link import RedisLink
+from gateway.state.link import Command, RedisLink
 from gateway.tenants.keyring import Tenant
 from gateway.types import Request
 
@@ -55,6 +55,7 @@ class Admission:
     member: str  # its id in the concurrency set
     minute: int  # the window its tokens were charged to
     estimate: int
+    at: float  # when it was taken (the clock's time)
     local: bool = False  # taken from this process's share (Redis was down)
 
 
@@ -90,9 +91,10 @@ class Limits:
         self._clock = clock
         self._shares: dict[str, _Share] = {}
 
-    async def admit(self, tenant: Tenant, request: Request) -> Admission | None:
-        """Take one request from ``tenant``'s limits, or raise 429 (503 when they can't be
-        checked and the policy is ``fail_closed``). None: the tenant has no limits."""
+    def prepare(self, tenant: Tenant, request: Request) -> Admission | None:
+        """What taking one request from ``tenant``'s limits needs (None: it has none), or
+        403 when its key may not use the model. The check itself is ``command``, sent in
+        the request's one round trip, and its answer is judged by ``settle``."""
         if not tenant.allows(request.model):
             self._reject(tenant, "model")
             raise Forbidden(f"key '{tenant.name}' may not use model '{request.model[:200]}'",
@@ -100,27 +102,33 @@ class Limits:
         if not tenant.limited:
             return None
         now = self._clock()
-        minute = int(now // WINDOW)
         cost = estimate(request, self._settings.default_max_tokens) if tenant.tpm else 0
-        admission = Admission(tenant, request.request_id, minute, cost)
-        verdict = await self._redis(admission, now)
-        if verdict is None:
-            verdict = self._locally(admission)
-        if verdict != "ok":
-            self._refuse(tenant, verdict, now)
-        return admission
+        return Admission(tenant, request.request_id, int(now // WINDOW), cost, now)
 
-    async def _redis(self, a: Admission, now: float) -> str | None:
-        if self._link is None:
-            return None
+    def command(self, a: Admission) -> Command:
+        """The script that checks and takes all three limits at once."""
         t, key = a.tenant, self._prefix + a.tenant.name
-        answered, results = await self._link.execute((
-            "EVAL", SCRIPT, 3, f"{key}:r:{a.minute}", f"{key}:t:{a.minute}", f"{key}:c",
-            t.rpm, t.tpm, a.estimate, t.max_concurrent, a.member, int(now * 1000),
-            self._stale_ms, KEEP_MS))
-        if not answered or isinstance(results[0], Exception):
-            return None
-        return str(results[0])
+        return ("EVAL", SCRIPT, 3, f"{key}:r:{a.minute}", f"{key}:t:{a.minute}", f"{key}:c",
+                t.rpm, t.tpm, a.estimate, t.max_concurrent, a.member, int(a.at * 1000),
+                self._stale_ms, KEEP_MS)
+
+    def settle(self, a: Admission, answered: bool, result: object) -> None:
+        """Judge the script's answer: through, or 429 (503 when it can't be checked and the
+        policy is ``fail_closed``); unanswered, this process's share decides."""
+        verdict = str(result) if answered and not isinstance(result, Exception) else None
+        if verdict is None:
+            verdict = self._locally(a)
+        if verdict != "ok":
+            self._refuse(a.tenant, verdict, a.at)
+
+    async def admit(self, tenant: Tenant, request: Request) -> Admission | None:
+        """``prepare``, ``command`` and ``settle`` in a round trip of their own."""
+        admission = self.prepare(tenant, request)
+        if admission is not None:
+            answered, results = ((await self._link.execute(self.command(admission)))
+                                 if self._link is not None else (False, []))
+            self.settle(admission, answered, results[0] if answered else None)
+        return admission
 
     def _locally(self, a: Admission) -> str:
         """Redis can't answer: this process's share, or 503 (``fail_closed``)."""

@@ -25,6 +25,3 @@ class LeastLoaded:
         low = min(_load(b) for b in candidates)
         tied = [b for b in candidates if _load(b) == low]
         return self._turns.choose(tied)
-
-    def rewind(self, choice: Backend) -> None:
-        self._turns.rewind(choice)

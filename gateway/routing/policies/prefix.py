@@ -43,6 +43,3 @@ class PrefixAware:
         cap = math.ceil(total * self._factor / len(candidates))
         order = ranked(prompt_head(request.payload, self._chars), candidates)
         return next((b for b in order if b.in_flight < cap), order[0])
-
-    def rewind(self, choice: Backend) -> None:
-        """Nothing to take back: the choice depends only on the prompt and the loads."""

@@ -16,6 +16,3 @@ class RoundRobin:
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend:
         return self._turns.choose(candidates)
-
-    def rewind(self, choice: Backend) -> None:
-        self._turns.rewind(choice)

@@ -4,19 +4,14 @@ has. A weight of 0 is chosen only when every candidate has 0."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 from backends.backend import Backend
-
-Choice = tuple[Backend, tuple[tuple[str, int], ...], int]  # chosen, weights, their total
-RECENT = 1024  # choices that may still be taken back (a pin lookup is one round trip)
 
 
 class SmoothWeights:
     def __init__(self) -> None:
         self._current: dict[str, int] = {}
-        self._recent: deque[Choice] = deque(maxlen=RECENT)
 
     def choose(self, candidates: Sequence[Backend]) -> Backend:
         weights = [(b.name, b.spec.weight) for b in candidates]
@@ -30,25 +25,7 @@ class SmoothWeights:
             if weight and (best_value is None or value > best_value):
                 best, best_value = backend, value
         current[best.name] -= total
-        self._recent.append((best, tuple(weights), total))
         if len(current) > 4 * len(candidates) + 64:  # names gone with a reload
             for name in set(current) - {b.name for b in candidates}:
                 del current[name]
         return best
-
-    def rewind(self, choice: Backend) -> None:
-        """Take back a choice of ``choice`` (a pinned session kept its own backend): the
-        latest one not taken back yet, so that requests whose pin lookups overlap each
-        undo their own choice, whatever order their answers come in."""
-        recent = self._recent
-        for i in range(len(recent) - 1, -1, -1):
-            if recent[i][0] is choice:
-                _, weights, total = recent[i]
-                del recent[i]
-                break
-        else:
-            return
-        current = self._current
-        current[choice.name] = current.get(choice.name, 0) + total
-        for name, weight in weights:
-            current[name] = current.get(name, 0) - weight

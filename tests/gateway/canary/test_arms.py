@@ -1,4 +1,4 @@
-"""Canary arms with a real valkey: a session's arm and its pin in one round trip."""
+"""Canary arms with a real valkey: a session's arm and its pin read in one round trip."""
 
 from __future__ import annotations
 
@@ -9,16 +9,23 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.canary.arms import Arms, ArmStore
+from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.config import BreakerSection, CanarySection, RoutingSection
+from gateway.config.tenancy import LimitsSection
 from gateway.metrics import Metrics
+from gateway.proxy.lookup import Lookup
 from gateway.resilience.breaker import Breakers
 from gateway.routing.pins import PinStore
 from gateway.routing.policies import make_policy
 from gateway.routing.pool import BackendPool
+from gateway.routing.responses import ResponsePins
 from gateway.routing.router import Router
 from gateway.state.link import RedisLink
+from gateway.tenants.gate import TenantGate
+from gateway.tenants.keyring import Keyring
+from gateway.tenants.ledger import Ledger
+from gateway.tenants.limits import Limits
 from tests import factories
 from tests.helpers import RedisServer
 
@@ -49,15 +56,21 @@ def test_a_sessions_arm_and_pin_share_one_round_trip(server: RedisServer) -> Non
         settings = RoutingSection()
         router = Router(pool, make_policy(settings), PinStore(link, 60), settings, metrics,
                         breakers)
-        arms = Arms(pool, Canary(CanarySection(enabled=True, weight=50), metrics),
-                    ArmStore(link, 60))
+        canary = Canary(CanarySection(enabled=True, weight=50), metrics)
+        arms = Arms(pool, canary, PinStore(link, 60, "arm"))
+        gate = TenantGate(Limits(link, LimitsSection(), 1, 60, metrics),
+                          Ledger(link, Keyring(), 60))
+        lookup = Lookup(link, router.store, arms.store, canary,
+                        ResponsePins(None, 60, pool), gate)
         record = factories.record(session_key="conversation-1")
-        arm = arms.assign(record)
-        assert arm is not None
-        ticket = await router.choose(record.request, record.group)
-        await arm
+        arms.draw(record)
+        facts, only = await lookup(record, None, router.propose(record.request, record.group))
+        trips = round_trips(metrics)  # before it is routed: one
+        assert only is None and facts.answered and facts.new and facts.arm is None
+        arms.settle(record, facts)
+        ticket = router.choose(record.request, record.group, facts=facts)
+        await link.settled()
         assert ticket is not None
-        trips = round_trips(metrics)
         stored_arm = await client.get("t:arm:m:conversation-1")
         pin = await client.get("t:pin:m:conversation-1")
         await link.aclose()

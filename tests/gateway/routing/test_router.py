@@ -18,8 +18,8 @@ from gateway.routing.pins import PinStore
 from gateway.routing.policies import make_policy
 from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
-from gateway.state.link import RedisLink
-from gateway.types import Request
+from gateway.state.link import RedisLink, text
+from gateway.types import Facts, Request
 from tests import factories
 from tests.helpers import RedisServer
 
@@ -57,9 +57,28 @@ def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
     return asyncio.run(main()), metrics
 
 
+async def facts(router: Router, request: Request) -> Facts | None:
+    """What the proxy's one round trip tells the router: the session's pin, claimed for
+    the backend the router proposes unless it has one."""
+    store, proposed = router.store, router.propose(request, None)
+    if store is None or proposed is None or request.session_key is None:
+        return None
+    answered, results = await store._link.execute(
+        *store.claim(f"{request.model}:{request.session_key}", proposed))
+    held = text(results[0]) if answered else None
+    return Facts(answered, held or proposed, held is None)
+
+
 async def pick(router: Router, request: Request) -> Backend | None:
-    ticket = await router.choose(request, None)
+    ticket = router.choose(request, None, facts=await facts(router, request))
+    await router_link_settled(router)
     return None if ticket is None else ticket.backend
+
+
+async def router_link_settled(router: Router) -> None:
+    """The pin written off the request's path has reached Redis."""
+    if router.store is not None:
+        await router.store._link.settled()
 
 
 def count(metrics: Metrics, result: str) -> float:
@@ -180,7 +199,7 @@ def test_room_is_the_share_of_capacity_less_the_reserve_and_vllms_own_saturation
     def room(in_flight: int, reserve: int = 0, load: LoadReport | None = None) -> bool:
         b.in_flight, b.load = in_flight, load
         try:
-            ticket = asyncio.run(router.choose(factories.request(), None, (), reserve))
+            ticket = router.choose(factories.request(), None, (), reserve)
         except NoRoom:
             return False
         assert ticket is not None
@@ -211,7 +230,8 @@ def test_a_session_waits_a_bounded_time_for_its_pinned_backend_to_free(
             first = await pick(router, ctx("p"))
             assert first is not None
             first.in_flight = 1  # its one place is taken; the other backend has room
-            placing = asyncio.create_task(router.place(ctx("p"), None, [], queue, "t", 0))
+            placing = asyncio.create_task(router.place(ctx("p"), None, [], queue, "t", 0,
+                                                       await facts(router, ctx("p"))))
             if frees:
                 deadline = asyncio.get_running_loop().time() + 5
                 while queue.idle:  # until it waits for its own

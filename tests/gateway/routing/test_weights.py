@@ -52,28 +52,6 @@ def test_weight_zero_takes_nothing_while_another_can(policy: Policy) -> None:
         "b0": 50, "b1": 50}
 
 
-def test_a_rewound_choice_is_made_again() -> None:
-    backends, policy = weighted(1, 2, 3), RoundRobin()
-    first = policy.choose(backends, request())
-    policy.rewind(first)
-    assert policy.choose(backends, request()) is first
-    counts = Counter(policy.choose(backends, request()).name for _ in range(5))
-    assert counts + Counter([first.name]) == {"b0": 1, "b1": 2, "b2": 3}
-
-
-def test_overlapping_choices_taken_back_in_any_order_each_undo_their_own() -> None:
-    """Two requests choose, then learn (in the other order) that their sessions were pinned:
-    both choices are taken back, and the rotation goes on as if neither had been made."""
-    backends = weighted(1, 2, 3)
-    plain, overlapped = RoundRobin(), RoundRobin()
-    a = overlapped.choose(backends, request())
-    b = overlapped.choose(backends, request())
-    overlapped.rewind(a)
-    overlapped.rewind(b)
-    assert [overlapped.choose(backends, request()).name for _ in range(12)] == [
-        plain.choose(backends, request()).name for _ in range(12)]
-
-
 def test_hashing_draws_keys_by_weight_and_keeps_the_plain_order_for_equal_weights() -> None:
     backends = weighted(1, 3)
     counts = Counter(rendezvous(f"session-{i}".encode(), backends).name for i in range(N))

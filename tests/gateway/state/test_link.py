@@ -25,6 +25,16 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
     s.stop()
 
 
+class Claims:
+    """Pins claimed as one command pair each (``RedisLink.claim``): what these tests batch."""
+
+    def __init__(self, link: RedisLink) -> None:
+        self._link = link
+
+    async def claim(self, session: str, backend: str) -> tuple[bool, str | None]:
+        return await self._link.claim(f"t:pin:{session}", backend, 60_000)
+
+
 def client_for(server: RedisServer) -> aioredis.Redis:
     # As the app builds it: redis-py's own pool (100 connections), no retries.
     return aioredis.from_url(server.url, decode_responses=True, socket_timeout=0.5)
@@ -42,7 +52,7 @@ def test_a_burst_of_2048_pin_claims_shares_a_few_round_trips(server: RedisServer
 
     async def main() -> tuple[list[tuple[bool, str | None]], int]:
         link = RedisLink(client_for(server), "t:", 1.0, metrics, timeout=2.0)
-        store = PinStore(link, 60)
+        store = Claims(link)
         results = await asyncio.gather(*(store.claim(f"s{i}", "b0") for i in range(2048)))
         clients = int((await link.client.info("clients"))["connected_clients"])
         await link.aclose()
@@ -59,7 +69,7 @@ def test_a_burst_of_2048_pin_claims_shares_a_few_round_trips(server: RedisServer
 def test_each_caller_gets_its_own_results(server: RedisServer) -> None:
     async def main() -> list[tuple[bool, str | None]]:
         link = RedisLink(client_for(server), "t:", 1.0, Metrics())
-        store = PinStore(link, 60)
+        store = Claims(link)
         await asyncio.gather(*(store.claim(f"s{i}", f"b{i}") for i in range(50)))
         again = await asyncio.gather(*(store.claim(f"s{i}", "other") for i in range(50)))
         await link.aclose()
@@ -68,11 +78,11 @@ def test_each_caller_gets_its_own_results(server: RedisServer) -> None:
     assert asyncio.run(main()) == [(True, f"b{i}") for i in range(50)]
 
 
-def test_a_claim_refreshes_the_ttl_of_an_existing_pin(server: RedisServer) -> None:
+def test_reading_a_pin_refreshes_its_ttl(server: RedisServer) -> None:
     async def main() -> None:
         link = RedisLink(client_for(server), "t:", 1.0, Metrics())
         await link.client.set("t:pin:s", "b1", px=1000)
-        assert await PinStore(link, 600).claim("s", "b2") == (True, "b1")
+        assert await link.execute(PinStore(link, 600).read("s")) == (True, ["b1"])
         assert await link.client.pttl("t:pin:s") > 500_000
         await link.aclose()
 
@@ -85,7 +95,7 @@ def test_a_hung_redis_costs_each_caller_at_most_the_timeout(server: RedisServer)
 
     async def main() -> tuple[list[tuple[bool, str | None]], float, tuple[bool, str | None]]:
         link = RedisLink(client_for(server), "t:", 0.2, metrics, timeout=0.2)
-        store = PinStore(link, 60)
+        store = Claims(link)
         assert await store.claim("warm", "b0") == (True, None)
         assert server.popen is not None
         os.kill(server.popen.pid, signal.SIGSTOP)
@@ -120,7 +130,7 @@ def test_a_busy_event_loop_is_not_mistaken_for_a_slow_redis(server: RedisServer)
 
     async def main() -> list[tuple[bool, str | None]]:
         link = RedisLink(client_for(server), "t:", 1.0, metrics, timeout=0.1)
-        store = PinStore(link, 60)
+        store = Claims(link)
         assert await store.claim("warm", "b0") == (True, None)  # connected
         claims = [asyncio.ensure_future(store.claim(f"s{i}", "b0")) for i in range(10)]
         while not link._in_flight:  # the batch is on its way ...  # noqa: ASYNC110
@@ -144,7 +154,7 @@ def test_a_loop_kept_busy_is_not_mistaken_for_a_slow_redis(server: RedisServer) 
 
     async def main() -> tuple[bool, str | None]:
         link = RedisLink(client_for(server), "t:", 1.0, metrics, timeout=0.1)
-        store = PinStore(link, 60)
+        store = Claims(link)
         assert await store.claim("warm", "b0") == (True, None)
         busy = True
 

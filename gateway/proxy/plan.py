@@ -1,0 +1,163 @@
+"""Where a request's attempts go, decided from what the gateway knows of its backends and
+what the request's one Redis round trip said (``Facts``): its canary arm and mirror first,
+then for each attempt the next backend (waiting in the queue while all are full), and after
+each the verdict of the attempt table (``resilience.attempt.judge``): relay, retry
+elsewhere, degrade or fail. No I/O but the queue's wait; the proxy runs what it decides."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from backends.backend import Backend
+from gateway.canary.arms import Arms
+from gateway.canary.rollout import Canary
+from gateway.canary.shadow import Shadow
+from gateway.config import UpstreamSection
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.observability.tracing import Tracing
+from gateway.proxy.opener import busy_reply, result_of
+from gateway.resilience.attempt import Failed, Next, judge, retriable, settled
+from gateway.resilience.breaker import Outcome, Ticket
+from gateway.resilience.retry import RetryBudget, backoff
+from gateway.routing.queue import WaitQueue
+from gateway.routing.router import Router
+from gateway.types import Facts, Record
+from gateway.upstream import UpstreamResponse
+
+log = logging.getLogger("gateway.proxy")
+
+
+@dataclass(slots=True)
+class Plan:
+    """One request's route as it goes: the backends tried (after those it must not try)."""
+
+    record: Record
+    facts: Facts | None
+    tried: list[Backend] = field(default_factory=list)
+    excluded: int = 0  # the first ``excluded`` of ``tried`` were never to be tried
+
+    @property
+    def asked(self) -> list[Backend]:
+        return self.tried[self.excluded:]
+
+
+class Planner:
+    def __init__(self, router: Router, queue: WaitQueue, arms: Arms, canary: Canary,
+                 shadow: Shadow, timeouts: UpstreamSection, metrics: Metrics,
+                 tracing: Tracing | None) -> None:
+        self._router = router
+        self._queue = queue
+        self._arms = arms
+        self._canary = canary
+        self._shadow = shadow
+        self._timeouts = timeouts
+        self._metrics = metrics
+        self._tracing = tracing
+        self._budget = RetryBudget(timeouts.retry_budget_ratio, timeouts.retry_budget_floor)
+
+    def propose(self, record: Record) -> str | None:
+        """Before the request's lookup: its canary arm as drawn, and the backend its session
+        would be pinned to if it is new (the lookup claims it)."""
+        self._arms.draw(record)
+        return self._router.propose(record.request, record.group)
+
+    def start(self, record: Record, facts: Facts | None, only: Backend | None,
+              backends: list[Backend]) -> Plan:
+        """After the lookup, the request's plan: its arm (and its mirror to the canary
+        while shadowing is on), or, when a stored response lives on ``only``, that backend
+        alone."""
+        self._budget.deposit()
+        record.session = facts
+        if only is not None:  # no arm, no mirror, no retry elsewhere
+            record.group = None
+            tried = [b for b in backends if b is not only]
+            return Plan(record, facts, tried, len(tried))
+        self._arms.settle(record, facts)
+        self.mirror(record)
+        return Plan(record, facts)
+
+    def again(self, plan: Plan) -> Plan:
+        """The fallback model's attempts: a plan of their own, the session not followed."""
+        return Plan(plan.record, None)
+
+    def mirror(self, record: Record) -> None:
+        """Stable traffic is mirrored to the canary while shadowing is on."""
+        if (self._canary.enabled and record.group == self._canary.stable
+                and self._canary.shadow()):
+            record.shadow = self._shadow.mirror(record.request)
+
+    async def place(self, plan: Plan, attempt: int) -> Ticket | None:
+        """Attempt ``attempt``'s backend (waiting while all are full); stable's when the
+        canary arm has none left; None when none can take it. A retry first wakes the next
+        queued request: the place the last attempt held is free now, not when this request
+        ends. The request takes one place however many attempts it makes."""
+        record = plan.record
+        if attempt > 1 and not self._queue.idle:
+            self._queue.freed()
+        ticket = await self._router.place(record.request, record.group, plan.tried,
+                                          self._queue, record.tenant, record.priority,
+                                          plan.facts, not record.outside_arm)
+        if ticket is None and self._to_stable(plan):
+            ticket = self._router.choose(record.request, record.group, plan.tried,
+                                         facts=plan.facts, sticky=False)
+        if ticket is not None and not record.placed:
+            record.placed = True
+            self._queue.take(record.tenant)
+        return ticket
+
+    async def back_off(self, attempt: int, total: float) -> bool:
+        """Wait before attempt ``attempt``; False when the pause would outlast the request
+        (``total``, loop time)."""
+        loop = asyncio.get_running_loop()
+        pause = backoff(attempt - 1, self._timeouts.retry_backoff)
+        if loop.time() + pause >= total:
+            return False
+        await asyncio.sleep(pause)
+        return True
+
+    def done(self, record: Record) -> None:
+        """The request ended: the place it held goes to the next one waiting."""
+        if record.placed:
+            self._queue.give(record.tenant)
+            if not self._queue.idle:
+                self._queue.freed()
+
+    def judge(self, reply: UpstreamResponse | GatewayError | None, ticket: Ticket,
+              plan: Plan, attempt: int) -> tuple[Outcome, Next]:
+        """The attempt's verdict (``judge``): a busy backend is skipped for its Retry-After,
+        a retry is paid for only when the result is retriable, and a settled outcome is told
+        to the breaker at once (the others when the relay ends)."""
+        result, cause = result_of(reply)
+        if isinstance(result, int):
+            ticket.status = result
+        busy = busy_reply(reply, ticket.backend)
+        retry = retriable(result) and self._may_retry(
+            plan, attempt, "connect" if result is Failed.CONNECT else str(result))
+        outcome, step = judge(result, busy, retry)
+        if settled(result):
+            ticket.done(outcome, cause)
+        if self._tracing is not None:
+            self._tracing.answered(plan.record, None if isinstance(result, Failed) else result,
+                                   step in (Next.RETRY, Next.FAIL))
+        return outcome, step
+
+    def _may_retry(self, plan: Plan, attempt: int, reason: str) -> bool:
+        """Commit to another attempt: one is left, another backend could take it, and the
+        budget pays for it. Nothing reached the client yet, so a retry is invisible."""
+        record = plan.record
+        if attempt >= self._timeouts.max_attempts or not (self._router.can_retry(
+                record.request, record.group, plan.tried) or self._to_stable(plan)):
+            return False
+        if not self._budget.withdraw():
+            self._metrics.retry_budget_exhausted.inc()
+            return False
+        self._metrics.retries.labels(reason).inc()
+        return True
+
+    def _to_stable(self, plan: Plan) -> bool:
+        record = plan.record
+        return self._arms.to_stable(
+            record, lambda group: self._router.can_retry(record.request, group, plan.tried))
