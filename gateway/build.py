@@ -24,8 +24,8 @@ from backends.supervisor import Supervisor
 from gateway import __version__
 from gateway.admin.backends import Admin
 from gateway.admin.canary import CanaryAdmin, Reload
-from gateway.admin.reload import Reloadable, Reloader
-from gateway.canary.arms import Arms, ArmStore
+from gateway.admin.reload import Reloadable, Reloader, background
+from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.canary.sync import CanarySync
 from gateway.config import Config
@@ -69,16 +69,23 @@ class SharedState:
 
 
 @dataclass(frozen=True)
+class Serving:
+    """What only a process that serves requests has (the control process has none)."""
+
+    proxy: Proxy
+    upstream: Upstream
+
+
+@dataclass(frozen=True)
 class Parts:
     metrics: Metrics
     breakers: Breakers
     pool: BackendPool
-    upstream: Upstream
     canary: Canary
     router: Router
     replies: ReplyCache
     degraded: Degraded
-    proxy: Proxy
+    serving: Serving | None  # None in the control process
     probe: HttpProbe
     checker: HealthChecker
     supervisors: dict[str, Supervisor]
@@ -91,6 +98,11 @@ class Parts:
     link: ControlLink | None  # a serving worker: its line to the control process
     keyring: Keyring  # the API keys and their tenants
     ledger: Ledger  # what each key used
+
+    @property
+    def proxy(self) -> Proxy:
+        assert self.serving is not None, "the control process serves no request"
+        return self.serving.proxy
 
 
 @dataclass(frozen=True)
@@ -157,19 +169,14 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     canary = Canary(config.canary, metrics)
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None
-    ttl = config.routing.session_ttl
     router = _router(config, pool, link, metrics, breakers)
-    # Arms are stored whenever Redis is: a reload may turn the canary on.
-    arms = Arms(pool, canary, ArmStore(link, ttl) if link is not None else None)
     replies = ReplyCache(config.degraded, link if config.degraded.cache else None,
                          dropped=metrics.reply_cache_dropped)
     degraded = Degraded(config.degraded, replies, metrics)
-    upstream = upstream or make_upstream(config.upstream)
-    responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
     gate, ledger = tenants(config, link, keyring, metrics)
     queue = WaitQueue(config.queue, metrics, len(keyring.tenants))
-    proxy = Proxy(config, pool, upstream, router, degraded, metrics, canary, arms, responses,
-                  gate, queue, config.injects_usage, tracing.make(config.tracing))
+    serving = None if role.kind is Kind.CONTROL else _request_path(  # it serves no request
+        config, pool, router, canary, degraded, gate, queue, metrics, link, upstream)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
     supervisors: dict[str, Supervisor] = {}
@@ -190,9 +197,23 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
                             checker if control is None else None, keyring, queue)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
                            shared, workers, control, discovery)
-    return Parts(metrics, breakers, pool, upstream, canary, router, replies, degraded, proxy,
-                 probe, checker, supervisors, status, reloadable, shared, operators, role,
-                 workers, control, keyring, ledger)
+    return Parts(metrics, breakers, pool, canary, router, replies, degraded, serving, probe,
+                 checker, supervisors, status, reloadable, shared, operators, role, workers,
+                 control, keyring, ledger)
+
+
+def _request_path(config: Config, pool: BackendPool, router: Router, canary: Canary,
+                  degraded: Degraded, gate: TenantGate, queue: WaitQueue, metrics: Metrics,
+                  link: RedisLink | None, upstream: Upstream | None) -> Serving:
+    """A serving process's proxy and its HTTP client."""
+    ttl = config.routing.session_ttl
+    # Arms are stored whenever Redis is: a reload may turn the canary on.
+    arms = Arms(pool, canary, PinStore(link, ttl, "arm") if link is not None else None)
+    upstream = upstream or make_upstream(config.upstream)
+    responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
+    return Serving(Proxy(config, pool, upstream, router, degraded, metrics, canary, arms,
+                         responses, gate, queue, link, config.injects_usage,
+                         tracing.make(config.tracing)), upstream)
 
 
 def _router(config: Config, pool: BackendPool, link: RedisLink | None, metrics: Metrics,
@@ -235,12 +256,15 @@ def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Br
     reloader = Reloader(reloadable, config, path,
                         Discovery(told=link.discovered) if link is not None else discovery)
     reload: Reload = reloader
-    if workers is not None:
+    if workers is not None:  # the control process reads the file once for its workers
         async def reload_all(who: str) -> dict[str, Any]:
             summary = await reloader(who)
-            workers.hup()
+            workers.publish(reloader.version, reloader.text)
             return summary
         reload = reload_all
+    elif link is not None:  # a worker: the control process reloads, and tells it
+        reload = link.reload
+        link.on_config = lambda text: background(reloadable, reloader("control", text))
     canary_admin = CanaryAdmin(canary, admin.guard, link.reload if link is not None else reload,
                                shared.canary_sync.publish if shared is not None else None)
     gateway_pid = os.getppid() if link is not None else os.getpid()  # a worker: its control

@@ -105,7 +105,8 @@ class Lifespan:
                 job.cancel()  # sequential starts and reload drains
             await asyncio.gather(*loops, *reloadable.background, return_exceptions=True)
             await asyncio.gather(*(s.stop() for s in parts.supervisors.values()))
-            await parts.upstream.aclose()
+            if parts.serving is not None:
+                await parts.serving.upstream.aclose()
             await parts.probe.aclose()
             if parts.link is not None:
                 await parts.link.aclose()

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from backends.backend import Backend
@@ -59,17 +60,22 @@ class Reloader:
         self.path = path
         self.discovery = discovery or Discovery()
         self._lock = asyncio.Lock()  # one apply at a time: a reload or a rediscovery
+        self.text: str | None = None  # the file as the last reload that applied read it
+        self.version = 0  # reloads applied
 
     @property
     def discovers(self) -> bool:
         return any(spec.discover is not None for spec in self.config.backends)
 
-    async def __call__(self, who: str) -> dict[str, Any]:
-        """Raises NoConfigPath or ReloadRefused (AdminErrors); the running config stays."""
+    async def __call__(self, who: str, text: str | None = None) -> dict[str, Any]:
+        """Read the file (or take ``text``, the control process's reading of it) and apply
+        it. Raises NoConfigPath or ReloadRefused (AdminErrors); the running config stays."""
         if self.path is None:
             raise NoConfigPath("the config path is unknown")
         try:
-            new = await asyncio.to_thread(load, self.path)
+            if text is None:
+                text = await asyncio.to_thread(_read, self.path)
+            new = await asyncio.to_thread(load, self.path, None, text)
         except ConfigError as exc:
             log.error("config reload by %s refused, the running config stays:\n%s", who,
                       "\n".join(exc.problems))
@@ -78,6 +84,8 @@ class Reloader:
         async with self._lock:
             summary = await apply(self._parts, self.config, await self._expanded(new), who)
             self.config = new
+            self.text = text
+            self.version += 1
         return {"reloaded": True, **summary}
 
     async def rediscover(self) -> None:
@@ -186,3 +194,12 @@ def _canary(canary: Canary, old: Config, new: Config, who: str) -> None:
     if new.canary.weight != old.canary.weight:
         canary.change(who, "config reload", weight=new.canary.weight,
                       phase=Phase.MANUAL, step=-1)
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: file not found"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read: {exc}"]) from None

@@ -67,6 +67,9 @@ class ControlLink:
         self.replica: dict[str, dict[str, int]] = {"in_flight": {}, "pins": {}}
         self.problems = self.adopt.problems
         self._failing = False
+        # The control process's reloads: the last one taken, and what takes the next.
+        self.config_version = 0
+        self.on_config: Callable[[str], object] | None = None
         self._lost_at: float | None = None  # wall clock: the control has not answered since
 
     def discovered(self) -> dict[str, list[str]]:
@@ -97,12 +100,17 @@ class ControlLink:
 
     async def sync_once(self) -> None:
         backends = {b.name: [b.in_flight, b.state.value] for b in self._pool.backends}
-        body = orjson.dumps({"pid": os.getpid(), "backends": backends, "pins": self._pins()})
+        body = orjson.dumps({"pid": os.getpid(), "backends": backends, "pins": self._pins(),
+                             "config": self.config_version})
         async with self._http().post(BASE + "/control/sync", data=body,
                                      timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
             reply.raise_for_status()
             answer = orjson.loads(await reply.read())
         self.adopt(answer["snapshot"])
+        config = answer.get("config")
+        if config is not None and self.on_config is not None:
+            self.config_version = int(config["version"])  # asked once, whatever comes of it
+            self.on_config(str(config["text"]))
         self.replica = answer.get("replica", self.replica)
         if self._replaced is not None:
             for why, count in answer.get("replaced", {}).items():

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -54,6 +52,7 @@ class WorkerTable:
         self._born: dict[int, float] = {}
         self.pids: set[int] = set()
         self.replaced = {"hung": 0, "exited": 0}  # workers replaced, by why
+        self._config: tuple[int, str] | None = None  # the last reload's: (version, text)
 
     def add(self, pid: int) -> None:
         self.pids.add(pid)
@@ -85,13 +84,11 @@ class WorkerTable:
         self._reports = {pid: (now, r) for pid, (_, r) in self._reports.items()}
         self._born = dict.fromkeys(self._born, now)
 
-    def hup(self) -> None:
-        """Tell every worker to read the config again."""
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGHUP)
-            except ProcessLookupError:
-                continue
+    def publish(self, version: int, text: str | None) -> None:
+        """The config this process accepted (its ``version``-th reload, as it read the file):
+        each worker takes it at its next report, without reading the file itself."""
+        if text is not None:
+            self._config = (version, text)
 
     def report(self, pid: int, report: Report,
                pins: Mapping[str, int] | None = None) -> dict[str, Any]:
@@ -143,9 +140,10 @@ class WorkerTable:
         report = {name: (int(n), str(state)) for name, (n, state) in data["backends"].items()}
         pins = {str(name): int(n) for name, n in data.get("pins", {}).items()}
         snapshot = self.report(int(data["pid"]), report, pins)
-        return Response(orjson.dumps({"snapshot": snapshot, "replica": self.replica(),
-                                      "replaced": self.replaced}),
-                        media_type="application/json")
+        answer = {"snapshot": snapshot, "replica": self.replica(), "replaced": self.replaced}
+        if self._config is not None and int(data.get("config", 0)) < self._config[0]:
+            answer["config"] = {"version": self._config[0], "text": self._config[1]}
+        return Response(orjson.dumps(answer), media_type="application/json")
 
     def __repr__(self) -> str:
         return f"<WorkerTable [{len(self.pids)} | reported {len(self._reports)}]>"

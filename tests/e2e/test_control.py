@@ -273,15 +273,25 @@ def test_workers_that_lose_the_control_process_serve_on_and_say_so(gw: Gateway) 
 
 
 def test_a_reload_reaches_every_worker(gw: Gateway, tmp: Path, url_sim: Sim) -> None:
+    """The control process reads and checks the file once; each worker applies what it
+    read (told through the control socket), without reading the file itself."""
     extra = Sim(tmp, "c")
     try:
         text = gw.config_path.read_text()
         gw.config_path.write_text(text + backend_toml("c", extra.url))
+        before = gw.proc.output().count("config reloaded by")
         os.kill(gw.proc.popen.pid, signal.SIGHUP)
+        wait_for(lambda: "config reloaded by SIGHUP" in gw.proc.output(), 10, "the reload")
+        gw.config_path.write_text("not [valid toml")  # too late to matter: it was read
         clients = per_worker(gw)
         for client in clients.values():
             wait_for(lambda c=client: states(c).get("c", {}).get("state") == "ready", 10,
                      "c in every worker")
+        wait_for(lambda: gw.proc.output().count("config reloaded by") == before + 1 + len(
+            clients), 10, "every worker's reload said")
+        reloads = gw.proc.output().split("config reloaded by")[before + 1:]
+        assert sorted(r.split(":")[0].strip() for r in reloads) == [
+            "SIGHUP", *["control"] * len(clients)]  # read once, by the control process
         gw.config_path.write_text(text)
         reply = next(iter(clients.values())).post("/admin/reload", json={"who": "test"})
         assert reply.status_code == 200 and reply.json()["removed"] == ["c"]
