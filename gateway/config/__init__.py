@@ -285,7 +285,8 @@ class Config(Section):
     @property
     def uses_redis(self) -> bool:
         return self.routing.sticky or (self.breaker.enabled and self.breaker.share) or (
-            self.degraded.cache) or self.canary.enabled
+            self.degraded.cache) or self.canary.enabled or any(
+            key.rpm or key.tpm or key.max_concurrent for key in self.keys)
 
 
 def _message(error: Any) -> str:
@@ -356,12 +357,15 @@ def parse(raw: dict[str, Any]) -> Config:
     return config
 
 
-def load(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
-    """The config in ``path`` with the ``VGW_SECTION__KEY`` variables of ``environ`` (the
-    process's by default) over it; each problem names its file line or variable."""
+def load(path: str | Path, environ: Mapping[str, str] | None = None,
+         text: str | None = None) -> Config:
+    """The config in ``path`` (or ``text``, read from it already) with the
+    ``VGW_SECTION__KEY`` variables of ``environ`` (the process's by default) over it; each
+    problem names its file line or variable."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if text is None:
+            text = path.read_text(encoding="utf-8")
         raw = tomllib.loads(text)
     except FileNotFoundError:
         raise ConfigError([f"{path}: file not found"]) from None

@@ -210,3 +210,14 @@ def test_a_per_backend_cap_the_chosen_client_cannot_keep_is_refused() -> None:
                for p in problems(raw))
     raw["upstream"] = {"client": "aiohttp", "max_connections_per_backend": 2}
     assert parse(raw).upstream.max_connections_per_backend == 2
+
+
+def test_key_limits_alone_use_redis() -> None:
+    """Limits are shared through Redis: with nothing else using it, a limited key still
+    does (without it each process counted alone, and ``fail_closed`` refused everything)."""
+    bare = {"routing": {"sticky": False}, "breaker": {"share": False},
+            "degraded": {"cache": False},
+            "backends": [{"name": "a", "url": "http://127.0.0.1:8001"}]}
+    assert not parse(bare).uses_redis
+    limited = parse({**bare, "keys": [{"name": "k", "key": "sk-" + "x" * 20, "rpm": 5}]})
+    assert limited.uses_redis
