@@ -134,7 +134,8 @@ class Metrics:
         # Sessions and Redis.
         self.sticky = counter(
             "gateway_sticky_total", "Session routing outcomes: hit, miss (new pin), repin, "
-            "rebalance (moved off an overloaded backend), fallback (Redis unavailable)",
+            "rebalance (moved off an overloaded backend), fallback (Redis unavailable), sole "
+            "(the only backend that could take it: pinned there without a lookup)",
             ("result",))
         self.redis_errors = counter("gateway_redis_errors_total", "Failed Redis calls")
         self.reply_cache_dropped = counter(

@@ -53,6 +53,7 @@ class Facts:
     answered: bool = False  # False: Redis could not say (hash the session meanwhile)
     pin: str | None = None  # the backend it is pinned to (None: none)
     new: bool = False  # ``pin`` is the one proposed for it: its first request
+    unread: str = ""  # "sole": not read, the only backend that could take it (pinned there)
     arm: str | None = None  # the canary arm it was given (None: none yet)
 
 

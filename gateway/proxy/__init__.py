@@ -180,8 +180,8 @@ class Proxy:
     async def _serve(self, record: Record, send: Send, deadline: Deadline,
                      admission: Admission | None) -> None:
         total = asyncio.get_running_loop().time() + self._timeouts.total_timeout
-        proposed = self._plans.propose(record)
-        facts, only = await self._lookup(record, admission, proposed)  # the one round trip
+        proposed, sole = self._plans.propose(record)
+        facts, only = await self._lookup(record, admission, proposed, sole)  # one round trip
         if not record.request.model:
             self._retrieval(record, only)
         plan = self._plans.start(record, facts, only, self._pool.backends)

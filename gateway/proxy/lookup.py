@@ -26,12 +26,22 @@ class Lookup:
         self._gate = gate
 
     async def __call__(self, record: Record, admission: Admission | None,
-                       proposed: str | None) -> tuple[Facts, Backend | None]:
+                       proposed: str | None, sole: bool = False) -> tuple[Facts, Backend | None]:
         """The session's facts and the backend holding the stored response the request
         names (None: any may take it), once its key's limits let it through; their
         refusal, or a stored response that can't be found, is raised. ``proposed``: the
-        backend a new session would be pinned to (claimed unless it has one)."""
+        backend a new session would be pinned to (claimed unless it has one); ``sole``: it
+        is the only backend that could take the request now, so when nothing else must be
+        asked the request goes without waiting for Redis, and the session is pinned there
+        off its path (in a burst, a session's request otherwise reaches vLLM behind every
+        request without one: docs/BENCHMARKS.md, issue 37's GPU burst)."""
         request = record.request
+        if (sole and proposed is not None and admission is None and request.follows is None
+                and self._pins is not None and not self._canary.enabled
+                and request.session_key is not None and self._link is not None
+                and self._link.available):
+            self._pins.keep(f"{request.model}:{request.session_key}", proposed, new=False)
+            return Facts(True, proposed, unread="sole"), None
         asks: list[Command] = []
         if admission is not None:
             asks.append(self._gate.command(admission))
@@ -58,4 +68,5 @@ class Lookup:
         arm = next(told, None) if arms is not None else None
         failed = isinstance(held, Exception) or isinstance(arm, Exception)
         pin = text(held)
-        return Facts(answered and not failed, pin or proposed, pin is None, text(arm)), only
+        return Facts(answered and not failed, pin or proposed, pin is None,
+                     arm=text(arm)), only

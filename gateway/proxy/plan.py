@@ -58,9 +58,10 @@ class Planner:
         self._tracing = tracing
         self._budget = RetryBudget(timeouts.retry_budget_ratio, timeouts.retry_budget_floor)
 
-    def propose(self, record: Record) -> str | None:
-        """Before the request's lookup: its canary arm as drawn, and the backend its session
-        would be pinned to if it is new (the lookup claims it)."""
+    def propose(self, record: Record) -> tuple[str | None, bool]:
+        """Before the request's lookup: its canary arm as drawn, the backend its session
+        would be pinned to if it is new (the lookup claims it), and whether that is the
+        only one that could take it now."""
         self._arms.draw(record)
         return self._router.propose(record.request, record.group)
 

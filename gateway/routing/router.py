@@ -130,18 +130,22 @@ class Router:
         return self._breakers.least_bad(
             [b for b in self._pool.ejected(request.model, group) if b not in exclude])
 
-    def propose(self, request: Request, group: str | None) -> str | None:
+    def propose(self, request: Request, group: str | None) -> tuple[str | None, bool]:
         """The backend a new session of ``request`` would be pinned to, chosen before its
         pin is looked up so that the lookup can claim it (None: not a session followed
-        here, or nothing to propose). The pin policy's turn is taken even when the session
-        turns out to have a pin: nothing is taken back."""
+        here, or nothing to propose), and whether it is the only backend that could take
+        the request now (then its pin need not be read before it goes). The pin policy's
+        turn is taken even when the session turns out to have a pin: nothing is taken
+        back."""
         if request.session_key is None or self.store is None:
-            return None
+            return None, False
         candidates = self._pool.candidates(request.model, group)
         if not candidates:
-            return None
-        roomy = [b for b in candidates if self._room(b, 0)] or candidates
-        return self._pin_policy.choose(roomy, request).name
+            return None, False
+        roomy = [b for b in candidates if self._room(b, 0)]
+        if len(candidates) == 1:
+            return candidates[0].name, bool(roomy)
+        return self._pin_policy.choose(roomy or candidates, request).name, False
 
     def _pick(self, request: Request, candidates: list[Backend], full: Sequence[Backend],
               facts: Facts | None, sticky: bool) -> Backend:
@@ -163,7 +167,7 @@ class Router:
                 held := next((b for b in full if b.name == pinned), None)):
             raise PinFull(held)  # its own is at capacity: it may wait a little for it
         if current is not None and (facts.new or not self._overloaded(current, candidates)):
-            self._count(current, "miss" if facts.new else "hit")
+            self._count(current, facts.unread or ("miss" if facts.new else "hit"))
             facts.new = False  # a retry of this request finds it pinned
             return current
         if pinned is None or facts.new:  # a new session whose proposal can't take it

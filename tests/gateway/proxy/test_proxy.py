@@ -13,7 +13,8 @@ import pytest
 
 from gateway.build import Parts, build
 from tests.factories import config
-from tests.fakes import FakeUpstream, Reply, always, call, completion, held
+from tests.fakes import Answered, FakeUpstream, Reply, always, call, completion, held
+from tests.memlink import MemoryLink, built_with
 
 A, B = "http://a.test:8000", "http://b.test:8000"
 NO_REDIS = {"routing": {"sticky": False}, "breaker": {"share": False},
@@ -171,3 +172,58 @@ async def _until(condition: Any, within: float = 5.0) -> None:
         if asyncio.get_running_loop().time() > end:
             raise AssertionError("condition not met")
         await asyncio.sleep(0)
+
+
+class HeldLink(MemoryLink):
+    """A Redis that answers only once ``answer`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+        self.waiting = 0
+
+    async def execute(self, *commands: Any) -> tuple[bool, list[Any]]:
+        self.waiting += 1
+        await self.answer.wait()
+        self.waiting -= 1
+        return await super().execute(*commands)
+
+
+def sessions(parts: Parts, result: str) -> float:
+    return parts.metrics.sticky.labels(result)._value.get()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("backends", [1, 2])
+def test_a_session_waits_for_its_pin_only_when_there_is_a_choice(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch, backends: int,
+) -> None:
+    """With one backend that can take it, a session's request is not held behind a Redis
+    round trip (in a burst, behind every request without a session); it is pinned there
+    off its path. With two, its pin is read (claimed) before it goes."""
+    link = HeldLink()
+    built_with(link, monkeypatch)
+    upstream = FakeUpstream({A: always(completion("from a")), B: always(completion("b"))})
+    specs = [{"name": "a", "url": A}, {"name": "b", "url": B}][:backends]
+    parts = gateway(upstream, *specs, routing={"sticky": True},
+                    redis={"url": "redis://127.0.0.1:1"})
+    session = [(b"x-session-id", b"s1")]
+
+    async def scenario() -> Answered:
+        asking = asyncio.create_task(call(parts.proxy, BODY, headers=session))
+        await _until(lambda: asking.done() or link.waiting > 0)
+        if backends == 1:
+            answered = await asking
+            assert not link.answer.is_set()  # answered while Redis had not: not waited for
+        else:
+            assert not upstream.sent  # held until Redis answers
+            link.answer.set()
+            answered = await asking
+        link.answer.set()
+        await link.settled()
+        return answered
+
+    answered = run(loop, scenario())
+    assert answered.status == 200
+    pinned = link.run("GET", link.prefix + "pin:m:s1")
+    assert pinned == answered.headers["x-gateway-backend"]
+    assert sessions(parts, "sole" if backends == 1 else "miss") == 1
