@@ -64,7 +64,7 @@ def test_a_sessions_arm_and_pin_share_one_round_trip(server: RedisServer) -> Non
                         ResponsePins(None, 60, pool), gate)
         record = factories.record(session_key="conversation-1")
         arms.draw(record)
-        facts, only = await lookup(record, None, router.propose(record.request, record.group))
+        facts, only = await lookup(record, None, *router.propose(record.request, record.group))
         trips = round_trips(metrics)  # before it is routed: one
         assert only is None and facts.answered and facts.new and facts.arm is None
         arms.settle(record, facts)

@@ -60,7 +60,7 @@ def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
 async def facts(router: Router, request: Request) -> Facts | None:
     """What the proxy's one round trip tells the router: the session's pin, claimed for
     the backend the router proposes unless it has one."""
-    store, proposed = router.store, router.propose(request, None)
+    store, (proposed, _) = router.store, router.propose(request, None)
     if store is None or proposed is None or request.session_key is None:
         return None
     answered, results = await store._link.execute(
