@@ -437,10 +437,17 @@ class MemoryLink:
             return False, []
         return True, [self.run(*args) for args in commands]
 
-    def soon(self, *commands: Command) -> None:
-        task = asyncio.get_running_loop().create_task(self.execute(*commands))
+    def soon(self, *commands: Command,
+             then: Callable[[bool, list[Any]], None] | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._chore(commands, then))
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
+
+    async def _chore(self, commands: tuple[Command, ...],
+                     then: Callable[[bool, list[Any]], None] | None) -> None:
+        answered, results = await self.execute(*commands)
+        if then is not None:
+            then(answered, results)
 
     async def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
         answered, results = await self.execute(

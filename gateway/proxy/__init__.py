@@ -74,7 +74,8 @@ class Proxy:
         self._gate = gate
         self._tally = Tally(metrics, canary)
         self._log = RequestLog(metrics, config.gateway.access_log, tracing)
-        self._lookup = Lookup(link, router.store, arms.store, canary, responses, gate)
+        self._lookup = Lookup(link, router.store, arms.store, canary, responses, gate,
+                              router.made)
         self._open = Opener(pool, upstream, responses, tracing)
         shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
         self._plans = Planner(router, queue, arms, canary, shadow, config.upstream, metrics,

@@ -5,6 +5,8 @@ judges its own answer; nothing is asked again while the request runs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from backends.backend import Backend
 from gateway.canary.rollout import Canary
 from gateway.routing.pins import PinStore
@@ -17,7 +19,9 @@ from gateway.types import Facts, Record
 
 class Lookup:
     def __init__(self, link: RedisLink | None, pins: PinStore | None, arms: PinStore | None,
-                 canary: Canary, responses: ResponsePins, gate: TenantGate) -> None:
+                 canary: Canary, responses: ResponsePins, gate: TenantGate,
+                 made: Callable[[str], None] = lambda name: None) -> None:
+        self._made = made  # a session pinned here without a lookup turned out new
         self._link = link
         self._pins = pins
         self._arms = arms
@@ -40,7 +44,8 @@ class Lookup:
                 and self._pins is not None and not self._canary.enabled
                 and request.session_key is not None and self._link is not None
                 and self._link.available):
-            self._pins.keep(f"{request.model}:{request.session_key}", proposed, new=False)
+            self._pins.behind(f"{request.model}:{request.session_key}", proposed,
+                              lambda: self._made(proposed))
             return Facts(True, proposed, unread="sole"), None
         asks: list[Command] = []
         if admission is not None:

@@ -12,7 +12,10 @@ fall back to consistent hashing meanwhile.
 
 from __future__ import annotations
 
-from gateway.state.link import Command, RedisLink
+from collections.abc import Callable
+from typing import Any
+
+from gateway.state.link import Command, RedisLink, text
 
 
 class PinStore:
@@ -27,6 +30,16 @@ class PinStore:
         key = self._prefix + session
         return (("SET", key, proposed, "NX", "GET", "PX", self._ttl_ms, {"get": True}),
                 ("PEXPIRE", key, self._ttl_ms))
+
+    def behind(self, session: str, value: str, made: Callable[[], None]) -> None:
+        """Pin ``session`` to ``value`` off the caller's path, over any pin it had; ``made``
+        is called when it had none (a new session)."""
+        def answered(ok: bool, results: list[Any]) -> None:
+            if ok and results and results[0] is None:
+                made()
+            elif ok and results and text(results[0]) != value:
+                self.keep(session, value, new=False)
+        self._link.soon(*self.claim(session, value), then=answered)
 
     def read(self, session: str) -> Command:
         """The command that reads ``session``'s value and refreshes its TTL (GETEX)."""

@@ -184,8 +184,12 @@ class Router:
 
     def _count(self, backend: Backend, label: str) -> None:
         self._sticky.labels(label).inc()
-        if label != "hit":
-            self.pins_made[backend.name] = self.pins_made.get(backend.name, 0) + 1
+        if label not in ("hit", "sole"):  # a sole one is counted when its claim says new
+            self.made(backend.name)
+
+    def made(self, name: str) -> None:
+        """A session was pinned to backend ``name`` by this process."""
+        self.pins_made[name] = self.pins_made.get(name, 0) + 1
 
     def _overloaded(self, backend: Backend, candidates: Sequence[Backend]) -> bool:
         if not self._max_load or len(candidates) < 2:

@@ -242,16 +242,24 @@ class RedisLink:
         finally:
             watch.cancel()
 
-    def soon(self, *commands: Command) -> None:
+    def soon(self, *commands: Command,
+             then: Callable[[bool, list[Any]], None] | None = None) -> None:
         """``execute`` off the caller's path: a write nobody waits for (kept until it is
-        done, and awaited when the link closes)."""
-        task = asyncio.get_running_loop().create_task(self.execute(*commands))
+        done, and awaited when the link closes); ``then`` gets its answer."""
+        task = asyncio.get_running_loop().create_task(self._chore(commands, then))
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
 
+    async def _chore(self, commands: tuple[Command, ...],
+                     then: Callable[[bool, list[Any]], None] | None) -> None:
+        answered, results = await self.execute(*commands)
+        if then is not None:
+            then(answered, results)
+
     async def settled(self) -> None:
-        """Until the writes made with ``soon`` so far are done."""
-        await asyncio.gather(*self._chores, return_exceptions=True)
+        """Until the writes made with ``soon`` are done (and those their answers made)."""
+        while self._chores:
+            await asyncio.gather(*self._chores, return_exceptions=True)
 
     async def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
         """Set ``key`` to ``value`` unless it holds one already, and refresh its TTL either

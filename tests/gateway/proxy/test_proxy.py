@@ -227,3 +227,7 @@ def test_a_session_waits_for_its_pin_only_when_there_is_a_choice(
     pinned = link.run("GET", link.prefix + "pin:m:s1")
     assert pinned == answered.headers["x-gateway-backend"]
     assert sessions(parts, "sole" if backends == 1 else "miss") == 1
+    again = run(loop, call(parts.proxy, BODY, headers=session))
+    run(loop, link.settled())
+    assert again.headers["x-gateway-backend"] == pinned
+    assert parts.router.pins_made == {pinned: 1}  # one session, however it was pinned
