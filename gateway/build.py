@@ -189,7 +189,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
 
     if role.control is None:  # a worker's backends live in the control process
         supervisors.update({b.name: supervise(b) for b in pool.backends if b.managed})
-    control = _control_link(role, pool, metrics, router)
+    control = _control_link(role, pool, metrics, router, degraded)
     status = Status(pool, breakers, canary, router, degraded, supervisors, metrics,
                     replica=(lambda: control.replica) if control is not None else None)
     reloadable = Reloadable(pool, breakers, canary, supervisors,
@@ -232,14 +232,15 @@ def _workers(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
     return WorkerTable(pool, supervisors, discovered=discovery.found)
 
 
-def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
-                  router: Router) -> ControlLink | None:
+def _control_link(role: Role, pool: BackendPool, metrics: Metrics, router: Router,
+                  degraded: Degraded) -> ControlLink | None:
     """A worker's link to its control process: it neither probes nor supervises, but adopts
-    the control process's snapshot, and reports the sessions it pinned."""
+    the control process's snapshot, and reports the sessions it pinned and the degraded
+    replies it gave."""
     if role.control is None:
         return None
     return ControlLink(role.control, pool, replaced=metrics.workers_replaced,
-                       pins=lambda: router.pins_made)
+                       pins=lambda: router.pins_made, recent=lambda: degraded.recent)
 
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -55,7 +55,8 @@ class Forwarded(GatewayError):
 class ControlLink:
     def __init__(self, path: str, pool: BackendPool, interval: float = 0.2,
                  replaced: Gauge | None = None,
-                 pins: Callable[[], dict[str, int]] = dict) -> None:
+                 pins: Callable[[], dict[str, int]] = dict,
+                 recent: Callable[[], Iterable[dict[str, Any]]] = tuple) -> None:
         self._path = path
         self._pool = pool
         self._interval = interval
@@ -64,7 +65,9 @@ class ControlLink:
         self._session: aiohttp.ClientSession | None = None
         self.adopt = Adopter(pool)
         # Summed over the workers by the control process, as of the last sync.
-        self.replica: dict[str, dict[str, int]] = {"in_flight": {}, "pins": {}}
+        self.replica: dict[str, Any] = {"in_flight": {}, "pins": {}}
+        self._recent = recent  # this worker's recent degraded replies, newest first
+        self._told = 0.0  # the newest of them the control process was told of
         self.problems = self.adopt.problems
         self._failing = False
         # The control process's reloads: the last one taken, and what takes the next.
@@ -100,13 +103,16 @@ class ControlLink:
 
     async def sync_once(self) -> None:
         backends = {b.name: [b.in_flight, b.state.value] for b in self._pool.backends}
+        new = [e for e in self._recent() if float(e["at"]) > self._told]
         body = orjson.dumps({"pid": os.getpid(), "backends": backends, "pins": self._pins(),
-                             "config": self.config_version})
+                             "config": self.config_version, "degraded": new})
         async with self._http().post(BASE + "/control/sync", data=body,
                                      timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
             reply.raise_for_status()
             answer = orjson.loads(await reply.read())
         self.adopt(answer["snapshot"])
+        if new:
+            self._told = max(float(e["at"]) for e in new)
         config = answer.get("config")
         if config is not None and self.on_config is not None:
             self.config_version = int(config["version"])  # asked once, whatever comes of it
@@ -170,7 +176,7 @@ class ForwardedAdmin(Admin):
 
     def in_flight(self, backend: Backend) -> int:
         """Every worker's requests, as the control process last summed them."""
-        return self._link.replica["in_flight"].get(backend.name, backend.in_flight)
+        return int(self._link.replica["in_flight"].get(backend.name, backend.in_flight))
 
     async def drain(self, request: Request) -> Response:
         return await self._link.forward(request)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -36,6 +36,7 @@ Report = dict[str, tuple[int, str]]  # backend name -> (in flight, state as the 
 # and one that has not reported this long after its start never came up.
 SILENT = 5.0
 FIRST_REPORT = 60.0
+RECENT = 20  # degraded replies kept for the status page, as each worker keeps
 
 
 class WorkerTable:
@@ -53,6 +54,7 @@ class WorkerTable:
         self.pids: set[int] = set()
         self.replaced = {"hung": 0, "exited": 0}  # workers replaced, by why
         self._config: tuple[int, str] | None = None  # the last reload's: (version, text)
+        self._degraded: list[dict[str, Any]] = []  # every worker's recent ones, newest first
 
     def add(self, pid: int) -> None:
         self.pids.add(pid)
@@ -90,19 +92,23 @@ class WorkerTable:
         if text is not None:
             self._config = (version, text)
 
-    def report(self, pid: int, report: Report,
-               pins: Mapping[str, int] | None = None) -> dict[str, Any]:
-        """A worker's in-flight counts (and the sessions it pinned); the snapshot it adopts
-        in return."""
+    def report(self, pid: int, report: Report, pins: Mapping[str, int] | None = None,
+               degraded: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+        """A worker's in-flight counts (the sessions it pinned, the degraded replies it
+        gave since its last report); the snapshot it adopts in return."""
         if pid in self.pids:
             self._reports[pid] = (self._clock(), report)
             self._pins[pid] = dict(pins or {})
+            if degraded:
+                merged = sorted([*self._degraded, *degraded], key=lambda e: -float(e["at"]))
+                self._degraded = merged[:RECENT]
             self._count()
         return self.snapshot()
 
-    def replica(self) -> dict[str, dict[str, int]]:
-        """What only the sum over the workers tells, for every worker's status views: each
-        backend's requests in flight and the sessions pinned to it."""
+    def replica(self) -> dict[str, Any]:
+        """What only the whole replica tells, for every worker's status views: each
+        backend's requests in flight and the sessions pinned to it (summed over the
+        workers), and the recent degraded replies of every worker, newest first."""
         pins: dict[str, int] = {}
         for made in self._pins.values():
             for name, n in made.items():
@@ -112,7 +118,7 @@ class WorkerTable:
             for name, (n, _state) in report.items():
                 in_flight[name] = in_flight.get(name, 0) + n
         return {"in_flight": {b.name: in_flight.get(b.name, 0) for b in self._pool.backends},
-                "pins": pins}
+                "pins": pins, "degraded": self._degraded}
 
     async def settle(self, within: float = 2.0, poll: float = 0.02) -> None:
         """Wait until every worker has reported since now (so it has seen what changed)."""
@@ -139,7 +145,7 @@ class WorkerTable:
         data = orjson.loads(await request.body())
         report = {name: (int(n), str(state)) for name, (n, state) in data["backends"].items()}
         pins = {str(name): int(n) for name, n in data.get("pins", {}).items()}
-        snapshot = self.report(int(data["pid"]), report, pins)
+        snapshot = self.report(int(data["pid"]), report, pins, data.get("degraded", ()))
         answer = {"snapshot": snapshot, "replica": self.replica(), "replaced": self.replaced}
         if self._config is not None and int(data.get("config", 0)) < self._config[0]:
             answer["config"] = {"version": self._config[0], "text": self._config[1]}

@@ -24,10 +24,11 @@ class Status:
     def __init__(self, pool: BackendPool, breakers: Breakers, canary: Canary, router: Router,
                  degraded: Degraded, supervisors: Mapping[str, Supervisor],
                  metrics: Metrics, trends: Trends | None = None,
-                 replica: Callable[[], Mapping[str, Mapping[str, int]]] | None = None) -> None:
-        """``replica``: in a serving worker, the counts only the sum over every worker
-        tells (requests in flight, sessions pinned, per backend), so that every worker's
-        status page shows the same; else this process's own are the replica's."""
+                 replica: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        """``replica``: in a serving worker, what only the whole replica tells (requests in
+        flight and sessions pinned per backend, summed over the workers, and every worker's
+        recent degraded replies), so that every worker's status page shows the same; else
+        this process's own are the replica's."""
         self._pool = pool
         self._replica = replica
         self._breakers = breakers
@@ -91,5 +92,6 @@ class Status:
                 "breaker": self._breakers.status(b.name), "last_probe": b.last_probe,
                 "models": sorted(b.models)})
         return {"backends": backends, "canary": self._canary.status(),
-                "degraded": list(self._degraded.recent), "trends": self.trends.data(),
+                "degraded": counts.get("degraded", list(self._degraded.recent)),
+                "trends": self.trends.data(),
                 "time": time.time()}

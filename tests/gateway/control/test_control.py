@@ -166,6 +166,27 @@ def test_the_replicas_counts_are_summed_over_its_workers() -> None:
     workers.add(2)
     workers.report(1, {"a": (2, "ready")}, {"a": 3})
     workers.report(2, {"a": (1, "ready"), "b": (4, "ready")}, {"a": 1, "b": 2})
-    assert workers.replica() == {"in_flight": {"a": 3, "b": 4}, "pins": {"a": 4, "b": 2}}
+    assert workers.replica() == {"in_flight": {"a": 3, "b": 4}, "pins": {"a": 4, "b": 2},
+                                 "degraded": []}
     workers.forget(1)
-    assert workers.replica() == {"in_flight": {"a": 1, "b": 4}, "pins": {"a": 1, "b": 2}}
+    assert workers.replica() == {"in_flight": {"a": 1, "b": 4}, "pins": {"a": 1, "b": 2},
+                                 "degraded": []}
+
+
+def test_every_workers_degraded_replies_are_the_replicas_newest_first() -> None:
+    """The status page's recent degraded replies are the whole replica's whichever worker
+    answers (each worker tells only what it gave since its last report)."""
+    workers = WorkerTable(pool(backend("a", ready=True)), {})
+    workers.add(1)
+    workers.add(2)
+
+    def given(at: float) -> dict[str, object]:
+        return {"at": at, "id": f"r{at:g}", "model": "m", "kind": "static", "why": "x"}
+
+    workers.report(1, {}, {}, [given(3.0), given(1.0)])
+    workers.report(2, {}, {}, [given(2.0)])
+    workers.report(1, {}, {})  # nothing new
+    assert [e["id"] for e in workers.replica()["degraded"]] == ["r3", "r2", "r1"]
+    workers.report(2, {}, {}, [given(10.0 + n) for n in range(25)])
+    recent = workers.replica()["degraded"]
+    assert len(recent) == 20 and recent[0]["id"] == "r34" and recent[-1]["id"] == "r15"
