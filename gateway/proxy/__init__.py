@@ -8,12 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from dataclasses import replace
 
 from starlette.types import Receive, Scope, Send
 
 from backends.asgi import BodyTooLarge, read_body
-from backends.backend import Backend
 from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.canary.shadow import Shadow
@@ -24,7 +22,6 @@ from gateway.errors import (
     Overloaded,
     PayloadTooLarge,
     RequestTimeout,
-    ResponseUnavailable,
 )
 from gateway.http import media
 from gateway.http.asgi import (
@@ -74,12 +71,11 @@ class Proxy:
         self._gate = gate
         self._tally = Tally(metrics, canary)
         self._log = RequestLog(metrics, config.gateway.access_log, tracing)
-        self._lookup = Lookup(link, router.store, arms.store, canary, responses, gate,
-                              router.made)
         self._open = Opener(pool, upstream, responses, tracing)
         shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
-        self._plans = Planner(router, queue, arms, canary, shadow, config.upstream, metrics,
-                              tracing)
+        lookup = Lookup(link, router.store, arms.store, canary, responses, gate, router.made)
+        self._plans = Planner(router, queue, arms, canary, shadow, lookup, pool,
+                              config.upstream, metrics, tracing)
         self._rescue = Rescue(pool, degraded)
         self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
         if config.resilience.continue_streams != "off":
@@ -181,11 +177,7 @@ class Proxy:
     async def _serve(self, record: Record, send: Send, deadline: Deadline,
                      admission: Admission | None) -> None:
         total = asyncio.get_running_loop().time() + self._timeouts.total_timeout
-        proposed, sole = self._plans.propose(record)
-        facts, only = await self._lookup(record, admission, proposed, sole)  # one round trip
-        if not record.request.model:
-            self._retrieval(record, only)
-        plan = self._plans.start(record, facts, only, self._pool.backends)
+        plan = await self._plans.begin(record, admission)  # its one Redis round trip
         await self._attempts(plan, send, deadline, total)
 
     async def _attempts(self, plan: Plan, send: Send, deadline: Deadline, total: float) -> None:
@@ -229,14 +221,3 @@ class Proxy:
                 await self._relay(reply, ticket, outcome, record, send, deadline)
                 return
         await self._rescue.exhausted(record, plan.asked, failure, send, again)
-
-    def _retrieval(self, record: Record, backend: Backend | None) -> None:
-        """A retrieval or cancel of a stored response takes its model from the backend that
-        stored it (its route has none); any backend's when where it is can't be known."""
-        names = self._pool.names
-        models = ([names.client(backend.spec.group, m) for m in sorted(backend.models)]
-                  if backend is not None else self._pool.models())
-        if not models:
-            raise ResponseUnavailable(f"no backend can look up response "
-                                      f"'{(record.request.follows or '')[:256]}' now")
-        record.request = replace(record.request, model=models[0])

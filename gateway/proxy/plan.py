@@ -8,22 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from backends.backend import Backend
 from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.canary.shadow import Shadow
 from gateway.config import UpstreamSection
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, ResponseUnavailable
 from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
+from gateway.proxy.lookup import Lookup
 from gateway.proxy.opener import busy_reply, result_of
 from gateway.resilience.attempt import Failed, Next, judge, retriable, settled
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.retry import RetryBudget, backoff
+from gateway.routing.pool import BackendPool
 from gateway.routing.queue import WaitQueue
 from gateway.routing.router import Router
+from gateway.tenants.limits import Admission
 from gateway.types import Facts, Record
 from gateway.upstream import UpstreamResponse
 
@@ -46,9 +49,11 @@ class Plan:
 
 class Planner:
     def __init__(self, router: Router, queue: WaitQueue, arms: Arms, canary: Canary,
-                 shadow: Shadow, timeouts: UpstreamSection, metrics: Metrics,
-                 tracing: Tracing | None) -> None:
+                 shadow: Shadow, lookup: Lookup, pool: BackendPool, timeouts: UpstreamSection,
+                 metrics: Metrics, tracing: Tracing | None) -> None:
         self._router = router
+        self._lookup = lookup
+        self._pool = pool
         self._queue = queue
         self._arms = arms
         self._canary = canary
@@ -58,27 +63,37 @@ class Planner:
         self._tracing = tracing
         self._budget = RetryBudget(timeouts.retry_budget_ratio, timeouts.retry_budget_floor)
 
-    def propose(self, record: Record) -> tuple[str | None, bool]:
-        """Before the request's lookup: its canary arm as drawn, the backend its session
-        would be pinned to if it is new (the lookup claims it), and whether that is the
-        only one that could take it now."""
+    async def begin(self, record: Record, admission: Admission | None) -> Plan:
+        """The request's plan. Its canary arm is drawn and the backend its session would be
+        pinned to if new is proposed; the lookup (its one Redis round trip) says what the
+        key's limits, the session and a stored response it names decide; then its arm is
+        settled (and mirrored to the canary while shadowing is on), or, when a stored
+        response lives on one backend, that backend alone is planned."""
         self._arms.draw(record)
-        return self._router.propose(record.request, record.group)
-
-    def start(self, record: Record, facts: Facts | None, only: Backend | None,
-              backends: list[Backend]) -> Plan:
-        """After the lookup, the request's plan: its arm (and its mirror to the canary
-        while shadowing is on), or, when a stored response lives on ``only``, that backend
-        alone."""
+        proposed, sole = self._router.propose(record.request, record.group)
+        facts, only = await self._lookup(record, admission, proposed, sole)
+        if not record.request.model:
+            self._retrieval(record, only)
         self._budget.deposit()
         record.session = facts
         if only is not None:  # no arm, no mirror, no retry elsewhere
             record.group = None
-            tried = [b for b in backends if b is not only]
+            tried = [b for b in self._pool.backends if b is not only]
             return Plan(record, facts, tried, len(tried))
         self._arms.settle(record, facts)
         self.mirror(record)
         return Plan(record, facts)
+
+    def _retrieval(self, record: Record, backend: Backend | None) -> None:
+        """A retrieval or cancel of a stored response takes its model from the backend that
+        stored it (its route has none); any backend's when where it is can't be known."""
+        names = self._pool.names
+        models = ([names.client(backend.spec.group, m) for m in sorted(backend.models)]
+                  if backend is not None else self._pool.models())
+        if not models:
+            raise ResponseUnavailable(f"no backend can look up response "
+                                      f"'{(record.request.follows or '')[:256]}' now")
+        record.request = replace(record.request, model=models[0])
 
     def again(self, plan: Plan) -> Plan:
         """The fallback model's attempts: a plan of their own, the session not followed."""
