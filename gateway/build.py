@@ -265,7 +265,8 @@ def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Br
         reload = reload_all
     elif link is not None:  # a worker: the control process reloads, and tells it
         reload = link.reload
-        link.on_config = lambda text: background(reloadable, reloader("control", text))
+        link.on_config = lambda text, version: background(
+            reloadable, reloader("control", text, version))
     canary_admin = CanaryAdmin(canary, admin.guard, link.reload if link is not None else reload,
                                shared.canary_sync.publish if shared is not None else None)
     gateway_pid = os.getppid() if link is not None else os.getpid()  # a worker: its control

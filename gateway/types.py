@@ -87,3 +87,8 @@ class Policy(Protocol):
     """Chooses one backend among already-filtered candidates (never empty). No I/O."""
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend: ...
+
+    def ties(self, candidates: Sequence[Backend], request: Request) -> Sequence[Backend]:
+        """The candidates this policy holds equally good for ``request`` (never empty): a
+        new session is pinned to the next of them in a turn order kept in Redis, which
+        only new sessions advance."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from gateway.routing import pins
 from gateway.tenants import limits
 
 Command = tuple[Any, ...]
@@ -279,10 +280,26 @@ class Commands:
 
     # scripts
     def c_EVAL(self, script: str, count: Any, *rest: Any) -> Any:
-        if script is not limits.SCRIPT:
-            raise NotImplementedError("MemoryLink runs only the limits script")
         keys, argv = rest[:_int(count)], rest[_int(count):]
-        return self._limits(*keys, *argv)
+        if script is limits.SCRIPT:
+            return self._limits(*keys, *argv)
+        if script is pins.CLAIM:
+            return self._claim(*keys, *argv)
+        raise NotImplementedError("MemoryLink runs only the limits and pin-claim scripts")
+
+    def _claim(self, pin: str, turns: str, ttl: Any, *candidates: Any) -> Any:
+        """``pins.CLAIM``, line for line."""
+        held = self.c_GET(pin)
+        if held is not None:
+            self.c_PEXPIRE(pin, ttl)
+            return held
+        if not candidates:
+            return None
+        turn = self.c_INCR(turns)
+        self.c_PEXPIRE(turns, ttl)
+        chosen = _text(candidates[(turn - 1) % len(candidates)])
+        self.c_SET(pin, chosen, "PX", ttl)
+        return [chosen]
 
     def _limits(self, requests: str, tokens: str, running: str, rpm: Any, tpm: Any,
                 est: Any, conc: Any, member: Any, now: Any, stale: Any, ttl: Any) -> str:

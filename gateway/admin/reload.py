@@ -67,8 +67,10 @@ class Reloader:
     def discovers(self) -> bool:
         return any(spec.discover is not None for spec in self.config.backends)
 
-    async def __call__(self, who: str, text: str | None = None) -> dict[str, Any]:
-        """Read the file (or take ``text``, the control process's reading of it) and apply
+    async def __call__(self, who: str, text: str | None = None,
+                       version: int | None = None) -> dict[str, Any]:
+        """Read the file (or take ``text``, the control process's reading of it, its
+        ``version``-th reload: an older one than applied already is passed over) and apply
         it. Raises NoConfigPath or ReloadRefused (AdminErrors); the running config stays."""
         if self.path is None:
             raise NoConfigPath("the config path is unknown")
@@ -82,10 +84,12 @@ class Reloader:
             raise ReloadRefused("invalid config; the running config stays",
                                 exc.problems) from None
         async with self._lock:
+            if version is not None and version <= self.version:
+                return {"reloaded": False}  # a later one was applied meanwhile
             summary = await apply(self._parts, self.config, await self._expanded(new), who)
             self.config = new
             self.text = text
-            self.version += 1
+            self.version = version if version is not None else self.version + 1
         return {"reloaded": True, **summary}
 
     async def rediscover(self) -> None:

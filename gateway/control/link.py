@@ -72,7 +72,7 @@ class ControlLink:
         self._failing = False
         # The control process's reloads: the last one taken, and what takes the next.
         self.config_version = 0
-        self.on_config: Callable[[str], object] | None = None
+        self.on_config: Callable[[str, int], object] | None = None
         self._lost_at: float | None = None  # wall clock: the control has not answered since
 
     def discovered(self) -> dict[str, list[str]]:
@@ -116,7 +116,7 @@ class ControlLink:
         config = answer.get("config")
         if config is not None and self.on_config is not None:
             self.config_version = int(config["version"])  # asked once, whatever comes of it
-            self.on_config(str(config["text"]))
+            self.on_config(str(config["text"]), self.config_version)
         self.replica = answer.get("replica", self.replica)
         if self._replaced is not None:
             for why, count in answer.get("replaced", {}).items():

@@ -96,7 +96,9 @@ class Planner:
         record.request = replace(record.request, model=models[0])
 
     def again(self, plan: Plan) -> Plan:
-        """The fallback model's attempts: a plan of their own, the session not followed."""
+        """The fallback model's attempts: a plan of their own, the session not followed
+        (its pin is the model's it asked for)."""
+        plan.record.session = None
         return Plan(plan.record, None)
 
     def mirror(self, record: Record) -> None:
@@ -107,12 +109,9 @@ class Planner:
 
     async def place(self, plan: Plan, attempt: int) -> Ticket | None:
         """Attempt ``attempt``'s backend (waiting while all are full); stable's when the
-        canary arm has none left; None when none can take it. A retry first wakes the next
-        queued request: the place the last attempt held is free now, not when this request
-        ends. The request takes one place however many attempts it makes."""
+        canary arm has none left; None when none can take it. The request takes one place
+        however many attempts it makes."""
         record = plan.record
-        if attempt > 1 and not self._queue.idle:
-            self._queue.freed()
         ticket = await self._router.place(record.request, record.group, plan.tried,
                                           self._queue, record.tenant, record.priority,
                                           plan.facts, not record.outside_arm)
@@ -126,7 +125,10 @@ class Planner:
 
     async def back_off(self, attempt: int, total: float) -> bool:
         """Wait before attempt ``attempt``; False when the pause would outlast the request
-        (``total``, loop time)."""
+        (``total``, loop time). The next queued request is woken first: the place the last
+        attempt held is free now, not when this request ends."""
+        if not self._queue.idle:  # the last attempt's place is free now: the next one goes
+            self._queue.freed()
         loop = asyncio.get_running_loop()
         pause = backoff(attempt - 1, self._timeouts.retry_backoff)
         if loop.time() + pause >= total:

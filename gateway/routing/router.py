@@ -21,6 +21,7 @@ from gateway.metrics import Metrics
 from gateway.resilience.breaker import Breakers, Ticket
 from gateway.routing.hashing import rendezvous
 from gateway.routing.pins import PinStore
+from gateway.routing.policies.weighted import in_turn
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import NoRoom, PinFull, WaitQueue
 from gateway.types import Facts, Policy, Request
@@ -130,13 +131,13 @@ class Router:
         return self._breakers.least_bad(
             [b for b in self._pool.ejected(request.model, group) if b not in exclude])
 
-    def propose(self, request: Request, group: str | None) -> tuple[str | None, bool]:
-        """The backend a new session of ``request`` would be pinned to, chosen before its
-        pin is looked up so that the lookup can claim it (None: not a session followed
-        here, or nothing to propose), and whether it is the only backend that could take
-        the request now (then its pin need not be read before it goes). The pin policy's
-        turn is taken even when the session turns out to have a pin: nothing is taken
-        back."""
+    def propose(self, request: Request,
+                group: str | None) -> tuple[tuple[str, ...] | None, bool]:
+        """Where a new session of ``request`` may be pinned, before its pin is looked up:
+        the candidates the pin policy holds equally good, in their turn order (the lookup
+        pins a new session to the next of them; a pinned one takes no turn), or None when
+        its session is not followed here; and whether one backend alone could take the
+        request now (then its pin need not be read before it goes)."""
         if request.session_key is None or self.store is None:
             return None, False
         candidates = self._pool.candidates(request.model, group)
@@ -144,8 +145,8 @@ class Router:
             return None, False
         roomy = [b for b in candidates if self._room(b, 0)]
         if len(candidates) == 1:
-            return candidates[0].name, bool(roomy)
-        return self._pin_policy.choose(roomy or candidates, request).name, False
+            return (candidates[0].name,), bool(roomy)
+        return in_turn(self._pin_policy.ties(roomy or candidates, request)), False
 
     def _pick(self, request: Request, candidates: list[Backend], full: Sequence[Backend],
               facts: Facts | None, sticky: bool) -> Backend:

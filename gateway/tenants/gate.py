@@ -4,11 +4,12 @@ and arm) and given back when it ends, with the tokens vLLM counted."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import MutableMapping
 from typing import Any
 
 from gateway.http.auth import TENANT
-from gateway.state.link import Command
+from gateway.state.link import Command, text
 from gateway.tenants.keyring import ANONYMOUS, Tenant
 from gateway.tenants.ledger import Ledger
 from gateway.tenants.limits import Admission, Limits
@@ -41,6 +42,16 @@ class TenantGate:
         ends), or their refusal raised."""
         self._limits.settle(admission, answered, result)
         record.admission = admission
+
+    def abandon(self, admission: Admission, answer: asyncio.Future[tuple[bool, list[Any]]]
+                ) -> None:
+        """The request left while its limits were being taken: what the script took (its
+        first answer "ok") is given back; a refusal or no answer took nothing."""
+        if answer.cancelled() or answer.exception() is not None:
+            return
+        answered, results = answer.result()
+        if answered and results and text(results[0]) == "ok":
+            self._limits.release(admission, None)
 
     def done(self, record: Record) -> None:
         """The request ended: what its key lent it back, its tokens corrected."""

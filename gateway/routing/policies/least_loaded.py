@@ -25,3 +25,7 @@ class LeastLoaded:
         low = min(_load(b) for b in candidates)
         tied = [b for b in candidates if _load(b) == low]
         return self._turns.choose(tied)
+
+    def ties(self, candidates: Sequence[Backend], request: Request) -> Sequence[Backend]:
+        low = min(_load(b) for b in candidates)
+        return [b for b in candidates if _load(b) == low]

@@ -43,3 +43,6 @@ class PrefixAware:
         cap = math.ceil(total * self._factor / len(candidates))
         order = ranked(prompt_head(request.payload, self._chars), candidates)
         return next((b for b in order if b.in_flight < cap), order[0])
+
+    def ties(self, candidates: Sequence[Backend], request: Request) -> Sequence[Backend]:
+        return [self.choose(candidates, request)]

@@ -16,3 +16,6 @@ class RoundRobin:
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend:
         return self._turns.choose(candidates)
+
+    def ties(self, candidates: Sequence[Backend], request: Request) -> Sequence[Backend]:
+        return candidates

@@ -18,7 +18,7 @@ from gateway.routing.pins import PinStore
 from gateway.routing.policies import make_policy
 from gateway.routing.pool import BackendPool
 from gateway.routing.router import Router
-from gateway.state.link import RedisLink, text
+from gateway.state.link import RedisLink
 from gateway.types import Facts, Request
 from tests import factories
 from tests.helpers import RedisServer
@@ -58,15 +58,15 @@ def run(server: RedisServer, pool: list[Backend], settings: RoutingSection,
 
 
 async def facts(router: Router, request: Request) -> Facts | None:
-    """What the proxy's one round trip tells the router: the session's pin, claimed for
-    the backend the router proposes unless it has one."""
-    store, (proposed, _) = router.store, router.propose(request, None)
-    if store is None or proposed is None or request.session_key is None:
+    """What the proxy's one round trip tells the router: the session's pin, or the next
+    of the candidates the router proposes for a new one."""
+    store, (turns, _) = router.store, router.propose(request, None)
+    if store is None or turns is None or request.session_key is None:
         return None
     answered, results = await store._link.execute(
-        *store.claim(f"{request.model}:{request.session_key}", proposed))
-    held = text(results[0]) if answered else None
-    return Facts(answered, held or proposed, held is None)
+        store.claim(request.model, f"{request.model}:{request.session_key}", turns))
+    pin, new = store.answer(results[0]) if answered else (None, False)
+    return Facts(answered, pin, new)
 
 
 async def pick(router: Router, request: Request) -> Backend | None:
@@ -115,6 +115,24 @@ def test_a_flushed_redis_just_means_new_pins(server: RedisServer) -> None:
     names, metrics = run(server, backends(3), RoutingSection(), steps)
     assert len(names) == 3 and names[1] == names[2]
     assert count(metrics, "miss") == 2 and count(metrics, "hit") == 1
+
+
+def test_a_pinned_sessions_requests_take_no_turn_from_new_sessions(
+        server: RedisServer) -> None:
+    """Two-request conversations, one after another, on two backends: new sessions still
+    alternate (a follow-up that took a turn would send every conversation to one)."""
+    async def steps(router: Router, client: object) -> list[str]:
+        names = []
+        for i in range(6):
+            first = await pick(router, ctx(f"c{i}"))
+            again = await pick(router, ctx(f"c{i}"))
+            assert first is not None and again is first
+            names.append(first.name)
+        return names
+
+    names, metrics = run(server, backends(2), RoutingSection(), steps)
+    assert Counter(names) == {"b0": 3, "b1": 3}
+    assert count(metrics, "miss") == 6 and count(metrics, "hit") == 6
 
 
 def test_requests_without_a_session_never_touch_redis(server: RedisServer) -> None:

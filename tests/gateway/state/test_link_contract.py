@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from gateway.config.tenancy import LimitsSection
 from gateway.metrics import Metrics
+from gateway.routing import pins
 from gateway.state.link import RedisLink
 from gateway.tenants import limits
 from gateway.tenants.keyring import Tenant
@@ -187,6 +188,26 @@ def test_pins_claimed_read_and_kept(server: RedisServer) -> None:
     assert alike(server, scenario) == [
         (True, None), (True, "b1"), (True, "b1"), "b1", None, "OK", "b4", None, "OK",
         (True, "b5"), (True, None)]
+
+
+def test_the_pin_claim_script_takes_turns_for_new_sessions_only(server: RedisServer) -> None:
+    """``pins.CLAIM``: a session's pin answered (and refreshed), or a new session pinned to
+    the next of the candidates in the model's turn order, which pinned sessions never move."""
+    async def scenario(link: Any, later: Later) -> list[Any]:
+        def claim(session: str, *turns: str) -> tuple[Any, ...]:
+            return ("EVAL", pins.CLAIM, 2, f"t:pin:{session}", "t:turn:m", 400, *turns)
+        out = [await one(link, *claim("s1", "a", "b")), await one(link, *claim("s1", "a", "b")),
+               await one(link, *claim("s2", "a", "b")), await one(link, *claim("s1", "a", "b")),
+               await one(link, *claim("s3", "a", "b", "b")), await one(link, *claim("s4")),
+               await one(link, "GET", "t:turn:m")]
+        await later(0.25)
+        out.append(await one(link, *claim("s1", "x")))  # refreshed at each use: still a
+        await later(0.5)
+        out.append(await one(link, *claim("s1", "x")))  # gone: a new one, and the turn too
+        return out
+
+    assert alike(server, scenario) == [
+        ["a"], "a", ["b"], "a", ["b"], None, "3", "a", ["x"]]
 
 
 def script(key: str, rpm: int, tpm: int, est: int, conc: int, member: str, now_ms: int,

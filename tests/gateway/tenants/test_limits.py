@@ -470,3 +470,55 @@ def test_the_admin_view_sums_each_keys_use_across_replicas(link: MemoryLink) -> 
     assert bob["totals"] == {"requests": 2, "prompt_tokens": 2, "completion_tokens": 2}
     assert bob["max_concurrent"] == 1 and bob["models"] == ["m"]
     assert view["window_s"] == 3600
+
+
+def test_a_request_that_leaves_while_its_limits_are_taken_gives_its_place_back() -> None:
+    """The client hangs up while the limits script is on its way: Redis takes the place
+    all the same, and it is given back when the answer comes (else the key would be
+    refused for the longest a request may take)."""
+    from gateway.canary.rollout import Canary
+    from gateway.config import CanarySection
+    from gateway.proxy.lookup import Lookup
+    from gateway.routing.pool import BackendPool
+    from gateway.routing.responses import ResponsePins
+    from gateway.tenants.gate import TenantGate
+    from gateway.tenants.keyring import Keyring
+    from gateway.tenants.ledger import Ledger
+    from gateway.types import Record
+
+    class Held(MemoryLink):
+        def __init__(self) -> None:
+            super().__init__(clock=Clock(NOW))
+            self.answer = asyncio.Event()
+
+        async def execute(self, *commands: Any) -> tuple[bool, list[Any]]:
+            await self.answer.wait()
+            return await super().execute(*commands)
+
+    async def main() -> int:
+        link, metrics = Held(), Metrics()
+        limits = Limits(link, LimitsSection(), 1, 60, metrics,  # type: ignore[arg-type]
+                        clock=lambda: NOW)
+        gate = TenantGate(limits, Ledger(link, Keyring(), 60))  # type: ignore[arg-type]
+        lookup = Lookup(link, None, None, Canary(CanarySection(), metrics),  # type: ignore
+                        ResponsePins(None, 60, BackendPool([])), gate)
+        record = Record(request(request_id="leaving"))
+        admission = limits.prepare(BOB, record.request)
+        assert admission is not None
+        asking = asyncio.ensure_future(lookup(record, admission, None))
+        await asyncio.sleep(0)
+        asking.cancel()  # the client left
+        link.answer.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asking
+        running = link.prefix + "lim:bob:c"
+        end = asyncio.get_running_loop().time() + 5
+        def given_back() -> bool:  # the script ran, and what it took is back
+            ran = any(c[0] == "EVAL" for c in link.sent)
+            return ran and link.run("ZCARD", running) == 0
+        while not given_back() and asyncio.get_running_loop().time() < end:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        await link.settled()
+        return int(link.run("ZCARD", running))
+
+    assert asyncio.run(main()) == 0
