@@ -22,6 +22,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from gateway.routing import pins
+from gateway.state.link import text
 from gateway.tenants import limits
 
 Command = tuple[Any, ...]
@@ -466,14 +467,6 @@ class MemoryLink:
         if then is not None:
             then(answered, results)
 
-    async def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
-        answered, results = await self.execute(
-            ("SET", key, value, "NX", "GET", "PX", ttl_ms, {"get": True}),
-            ("PEXPIRE", key, ttl_ms))
-        if not answered or isinstance(results[0], Exception):
-            return False, None
-        return True, results[0]
-
     async def call(self, op: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
         if self.down:
             return False, None
@@ -504,3 +497,13 @@ def built_with(link: MemoryLink, patch: Any) -> None:
         return link
 
     patch.setattr("gateway.build.RedisLink", made)
+
+
+async def claim(link: Any, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
+    """``key`` set to ``value`` unless it holds one, its TTL refreshed either way, in one
+    round trip of ``link`` (real or in memory): (answered, what it held; None: stored)."""
+    answered, results = await link.execute(
+        ("SET", key, value, "NX", "GET", "PX", ttl_ms, {"get": True}), ("PEXPIRE", key, ttl_ms))
+    if not answered or isinstance(results[0], Exception):
+        return False, None
+    return True, text(results[0])

@@ -261,17 +261,6 @@ class RedisLink:
         while self._chores:
             await asyncio.gather(*self._chores, return_exceptions=True)
 
-    async def claim(self, key: str, value: str, ttl_ms: int) -> tuple[bool, str | None]:
-        """Set ``key`` to ``value`` unless it holds one already, and refresh its TTL either
-        way: (answered, what it held; None when ``value`` was stored). One shared round
-        trip: ``SET key value NX GET PX ttl`` and ``PEXPIRE key ttl``."""
-        answered, results = await self.execute(
-            ("SET", key, value, "NX", "GET", "PX", ttl_ms, {"get": True}),
-            ("PEXPIRE", key, ttl_ms))
-        if not answered or isinstance(results[0], Exception):
-            return False, None
-        return True, text(results[0])
-
     async def call(self, op: Callable[[], Awaitable[Any]]) -> tuple[bool, Any]:
         """Run ``op`` against Redis: (True, result), or (False, None) when Redis can't answer."""
         if not self.available:

@@ -16,6 +16,7 @@ from gateway.metrics import Metrics
 from gateway.routing.pins import PinStore
 from gateway.state.link import RedisLink
 from tests.helpers import RedisServer
+from tests.memlink import claim
 
 
 @pytest.fixture
@@ -26,13 +27,14 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 class Claims:
-    """Pins claimed as one command pair each (``RedisLink.claim``): what these tests batch."""
+    """Pins claimed as one command pair each (SET NX GET and PEXPIRE): what these tests
+    batch."""
 
     def __init__(self, link: RedisLink) -> None:
         self._link = link
 
     async def claim(self, session: str, backend: str) -> tuple[bool, str | None]:
-        return await self._link.claim(f"t:pin:{session}", backend, 60_000)
+        return await claim(self._link, f"t:pin:{session}", backend, 60_000)
 
 
 def client_for(server: RedisServer) -> aioredis.Redis:

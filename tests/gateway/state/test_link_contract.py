@@ -22,7 +22,7 @@ from gateway.tenants.keyring import Tenant
 from gateway.tenants.limits import Limits
 from tests.factories import request
 from tests.helpers import RedisServer
-from tests.memlink import Clock, MemoryLink
+from tests.memlink import Clock, MemoryLink, claim
 
 Later = Callable[[float], Awaitable[None]]  # let this many seconds pass
 Scenario = Callable[[Any, Later], Awaitable[list[Any]]]
@@ -169,10 +169,10 @@ def test_pins_claimed_read_and_kept(server: RedisServer) -> None:
     its TTL refreshed (GETEX PX), written off the path (SET [NX] PX)."""
     async def scenario(link: Any, later: Later) -> list[Any]:
         ttl = 400
-        out: list[Any] = [await link.claim("t:pin:s", "b1", ttl),
-                          await link.claim("t:pin:s", "b2", ttl)]
+        out: list[Any] = [await claim(link, "t:pin:s", "b1", ttl),
+                          await claim(link, "t:pin:s", "b2", ttl)]
         await later(0.25)
-        out.append(await link.claim("t:pin:s", "b3", ttl))  # refreshed: b1's, 0.25 s later
+        out.append(await claim(link, "t:pin:s", "b3", ttl))  # refreshed: b1's, 0.25 s later
         await later(0.25)
         out.append(await one(link, "GETEX", "t:pin:s", "PX", ttl))
         out.append(await one(link, "SET", "t:pin:s", "b4", "NX", "PX", ttl))  # has one
@@ -182,7 +182,7 @@ def test_pins_claimed_read_and_kept(server: RedisServer) -> None:
         await later(0.5)  # nobody used it for longer than its TTL
         out += [await one(link, "GETEX", "t:pin:s", "PX", ttl),
                 await one(link, "SET", "t:pin:s", "b5", "NX", "PX", ttl),
-                await link.claim("t:pin:s", "b6", ttl), await link.claim("t:o", "x", 60_000)]
+                await claim(link, "t:pin:s", "b6", ttl), await claim(link, "t:o", "x", 60_000)]
         return out
 
     assert alike(server, scenario) == [
@@ -321,7 +321,7 @@ def test_redis_away_answers_at_once_unanswered(tmp_path: Path) -> None:
         stop()
         await link.execute(("GET", "t:k"))  # the real link learns it here
         out += [link.available, link.up, await link.execute(("GET", "t:k")),
-                await link.claim("t:k", "w", 1000), await link.call(lambda: link.client.get("k"))]
+                await claim(link, "t:k", "w", 1000), await link.call(lambda: link.client.get("k"))]
         return out
 
     real_server = RedisServer(tmp_path)
