@@ -27,7 +27,9 @@ from gateway.admin.canary import CanaryAdmin, Reload
 from gateway.admin.reload import Reloadable, Reloader, background
 from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
+from gateway.canary.shadow import Shadow
 from gateway.canary.sync import CanarySync
+from gateway.canary.tally import Tally
 from gateway.config import Config
 from gateway.control.link import ControlLink, ForwardedAdmin
 from gateway.control.role import SINGLE, Kind, Role
@@ -35,9 +37,17 @@ from gateway.control.server import WorkerTable
 from gateway.http.auth import Refusals
 from gateway.metrics import Metrics
 from gateway.observability import tracing
+from gateway.observability.access_log import RequestLog
 from gateway.observability.routes import About, OpsRoutes, started
 from gateway.observability.status import Status
 from gateway.proxy import Proxy
+from gateway.reply.opener import Opener
+from gateway.reply.relay import Relay
+from gateway.reply.rescue import Rescue
+from gateway.reply.resume import Resume
+from gateway.request.lookup import Lookup
+from gateway.request.parse import RequestParser
+from gateway.request.plan import Planner
 from gateway.resilience.breaker import Breakers, MetricsListener
 from gateway.resilience.breaker_sync import BreakerSync
 from gateway.resilience.degraded import Degraded
@@ -205,15 +215,28 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
 def _request_path(config: Config, pool: BackendPool, router: Router, canary: Canary,
                   degraded: Degraded, gate: TenantGate, queue: WaitQueue, metrics: Metrics,
                   link: RedisLink | None, upstream: Upstream | None) -> Serving:
-    """A serving process's proxy and its HTTP client."""
+    """A serving process's proxy and its HTTP client: the request's plan (its one Redis
+    round trip and its candidates) and the reply's parts, each built once here."""
     ttl = config.routing.session_ttl
     # Arms are stored whenever Redis is: a reload may turn the canary on.
     arms = Arms(pool, canary, PinStore(link, ttl, "arm") if link is not None else None)
     upstream = upstream or make_upstream(config.upstream)
     responses = ResponsePins(link if config.routing.pin_responses else None, ttl, pool)
-    return Serving(Proxy(config, pool, upstream, router, degraded, metrics, canary, arms,
-                         responses, gate, queue, link, config.injects_usage,
-                         tracing.make(config.tracing)), upstream)
+    tracer = tracing.make(config.tracing)
+    tally = Tally(metrics, canary).attempt
+    shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
+    lookup = Lookup(link, router.store, arms.store, canary, responses, gate, router.made)
+    plans = Planner(router, queue, arms, canary, shadow, lookup, pool, config.upstream,
+                    metrics, tracer, tally)
+    opener = Opener(pool, upstream, responses, tracer)
+    relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
+    if config.resilience.continue_streams != "off":
+        relay.resume = Resume(config.resilience, config.upstream, router, opener, relay,
+                              metrics, tally, tracer)
+    parse = RequestParser(config, responses, pool, config.injects_usage)
+    access = RequestLog(metrics, config.gateway.access_log, tracer)
+    return Serving(Proxy(config, parse, gate, plans, opener, relay, Rescue(pool, degraded),
+                         access), upstream)
 
 
 def _router(config: Config, pool: BackendPool, link: RedisLink | None, metrics: Metrics,

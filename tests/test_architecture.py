@@ -18,6 +18,8 @@ FLOORS: list[set[str]] = [
     {"routing"},
     {"canary"},
     {"observability"},
+    {"request"},  # a request parsed, its one Redis round trip, its plan
+    {"reply"},  # an attempt's reply opened, relayed, continued, rescued
     {"admin"},
     # the front door; control/ holds the control plane (cli hands it what build made)
     {"app", "build", "cli", "control", "lifespan", "proxy", "workers", "__main__", "__init__"},
@@ -27,7 +29,7 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50
 TABLES = {"gateway/metrics.py:Metrics.__init__"}  # the metric catalogue, one entry per metric
 SUBPACKAGES = {"config", "http", "state", "upstream", "resilience", "tenants", "routing",
-               "canary", "observability", "admin"}
+               "canary", "observability", "request", "reply", "admin"}
 
 
 def module_name(path: Path) -> str:

@@ -204,7 +204,7 @@ class ModelRoute(Section):
 
 
 class ResilienceSection(Section):
-    """A stream whose backend fails after it began goes on elsewhere (gateway.proxy.resume)."""
+    """A stream whose backend fails after it began goes on elsewhere (gateway.reply.resume)."""
 
     continue_streams: Literal["off", "deterministic", "always"] = "deterministic"
     max_continuations: int = Field(default=2, ge=1, le=10, description="per stream")

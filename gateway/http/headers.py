@@ -45,6 +45,11 @@ def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return named
 
 
+def header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes:
+    """A header's value (``name`` in lower case), or b"" when absent."""
+    return next((v for k, v in headers if k.lower() == name), b"")
+
+
 def filter_headers(headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes]) -> Headers:
     """Remove ``drop`` and every header that ``Connection`` names; lower-case the rest."""
     headers = list(headers)

@@ -1,7 +1,9 @@
-"""The request path: parse once, choose a backend, forward, relay bytes as they come.
+"""The request path: read the body, parse once, plan, then run the plan's attempts.
 
-Each attempt's result is judged by one table (``resilience.attempt.judge``) and ``_serve``
-follows its verdict; the relay and its per-chunk loop are in ``relay.py``."""
+The plan (``gateway.request``: the parsed request, its one Redis round trip, the ordered
+candidates and the verdict on each attempt) says where each attempt goes and what follows
+it; the reply (``gateway.reply``) is opened, relayed, continued or rescued there. This
+module only runs the attempt loop between them."""
 
 from __future__ import annotations
 
@@ -12,10 +14,6 @@ from collections.abc import Awaitable
 from starlette.types import Receive, Scope, Send
 
 from backends.asgi import BodyTooLarge, read_body
-from gateway.canary.arms import Arms
-from gateway.canary.rollout import Canary
-from gateway.canary.shadow import Shadow
-from gateway.canary.tally import Tally
 from gateway.config import Config
 from gateway.errors import (
     GatewayError,
@@ -33,27 +31,16 @@ from gateway.http.asgi import (
 )
 from gateway.http.deadline import Deadline
 from gateway.http.sink import Hangup, close_lingering
-from gateway.metrics import Metrics
 from gateway.observability.access_log import RequestLog
-from gateway.observability.tracing import Tracing
-from gateway.proxy.lookup import Lookup
-from gateway.proxy.opener import Opener
-from gateway.proxy.parse import RequestParser
-from gateway.proxy.plan import Plan, Planner
-from gateway.proxy.relay import Relay
-from gateway.proxy.rescue import Rescue
-from gateway.proxy.resume import Resume
-from gateway.resilience.attempt import Attempt, Next
-from gateway.resilience.degraded import Degraded
-from gateway.routing.pool import BackendPool
-from gateway.routing.queue import WaitQueue
-from gateway.routing.responses import ResponsePins
-from gateway.routing.router import Router
-from gateway.state.link import RedisLink
+from gateway.reply.opener import Opener
+from gateway.reply.relay import Relay
+from gateway.reply.rescue import Rescue
+from gateway.request.parse import RequestParser
+from gateway.request.plan import Plan, Planner
+from gateway.resilience.attempt import Next
 from gateway.tenants.gate import TenantGate
 from gateway.tenants.limits import Admission
 from gateway.types import Record
-from gateway.upstream import Upstream
 
 log = logging.getLogger("gateway.proxy")
 
@@ -61,31 +48,23 @@ log = logging.getLogger("gateway.proxy")
 class Proxy:
     """The ASGI endpoint behind every OpenAI POST route."""
 
-    def __init__(
-        self, config: Config, pool: BackendPool, upstream: Upstream, router: Router,
-        degraded: Degraded, metrics: Metrics, canary: Canary, arms: Arms,
-        responses: ResponsePins, gate: TenantGate, queue: WaitQueue, link: RedisLink | None,
-        inject_usage: bool = False, tracing: Tracing | None = None,
-    ) -> None:
-        self._pool = pool
+    def __init__(self, config: Config, parse: RequestParser, gate: TenantGate,
+                 plans: Planner, opener: Opener, relay: Relay, rescue: Rescue,
+                 access: RequestLog) -> None:
+        """The parts are built by ``gateway.build``: the request is read here, its plan made
+        by ``gateway.request``, and each attempt's reply opened, relayed or rescued by
+        ``gateway.reply``."""
+        self._parse = parse
         self._gate = gate
-        self._tally = Tally(metrics, canary)
-        self._log = RequestLog(metrics, config.gateway.access_log, tracing)
-        self._open = Opener(pool, upstream, responses, tracing)
-        shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
-        lookup = Lookup(link, router.store, arms.store, canary, responses, gate, router.made)
-        self._plans = Planner(router, queue, arms, canary, shadow, lookup, pool,
-                              config.upstream, metrics, tracing)
-        self._rescue = Rescue(pool, degraded)
-        self._relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
-        if config.resilience.continue_streams != "off":
-            self._relay.resume = Resume(config.resilience, config.upstream, router, self._open,
-                                        self._relay, metrics, self._tally.attempt, tracing)
+        self._plans = plans
+        self._open = opener
+        self._relay = relay
+        self._rescue = rescue
+        self._log = access
         self._max_body = config.gateway.max_body_bytes
         self._held = BodyBudget(config.gateway.max_buffered_bytes)
         self._body_timeout = config.gateway.body_timeout
         self._timeouts = config.upstream
-        self._parse = RequestParser(config, responses, pool, inject_usage)
         self._media_check = config.gateway.media_urls == "deny_private"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -197,7 +176,7 @@ class Proxy:
                 break
             plan.tried.append(ticket.backend)
             record.attempts += 1  # a fallback model's attempts count on
-            with Attempt(ticket, record.request.started, self._tally.attempt):
+            with self._plans.attempt(ticket, record):
                 deadline.until(min(total, loop.time() + self._timeouts.first_byte_timeout))
                 reply = await self._open(ticket.backend, record, deadline)
                 outcome, step = self._plans.judge(reply, ticket, plan, n)

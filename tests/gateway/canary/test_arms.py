@@ -14,7 +14,7 @@ from gateway.canary.rollout import Canary
 from gateway.config import BreakerSection, CanarySection, RoutingSection
 from gateway.config.tenancy import LimitsSection
 from gateway.metrics import Metrics
-from gateway.proxy.lookup import Lookup
+from gateway.request.lookup import Lookup
 from gateway.resilience.breaker import Breakers
 from gateway.routing.pins import PinStore
 from gateway.routing.policies import make_policy

@@ -478,7 +478,7 @@ def test_a_request_that_leaves_while_its_limits_are_taken_gives_its_place_back()
     refused for the longest a request may take)."""
     from gateway.canary.rollout import Canary
     from gateway.config import CanarySection
-    from gateway.proxy.lookup import Lookup
+    from gateway.request.lookup import Lookup
     from gateway.routing.pool import BackendPool
     from gateway.routing.responses import ResponsePins
     from gateway.tenants.gate import TenantGate

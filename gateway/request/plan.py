@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from backends.backend import Backend
@@ -15,12 +16,20 @@ from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.canary.shadow import Shadow
 from gateway.config import UpstreamSection
-from gateway.errors import GatewayError, ResponseUnavailable
+from gateway.errors import GatewayError, ResponseUnavailable, UpstreamTimeout
+from gateway.http.headers import header
 from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
-from gateway.proxy.lookup import Lookup
-from gateway.proxy.opener import busy_reply, result_of
-from gateway.resilience.attempt import Failed, Next, judge, retriable, settled
+from gateway.request.lookup import Lookup
+from gateway.resilience.attempt import (
+    Attempt,
+    Failed,
+    Next,
+    judge,
+    note_busy,
+    retriable,
+    settled,
+)
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.retry import RetryBudget, backoff
 from gateway.routing.pool import BackendPool
@@ -31,6 +40,26 @@ from gateway.types import Facts, Record
 from gateway.upstream import UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
+
+
+Reply = UpstreamResponse | GatewayError | None  # what an attempt's request came back with
+
+
+def result_of(reply: Reply) -> tuple[int | Failed, str]:
+    """An attempt's result as ``judge`` reads it, and the cause the breaker is told."""
+    if reply is None:
+        return Failed.CONNECT, "connect"
+    if isinstance(reply, GatewayError):
+        failed = Failed.TIMEOUT if isinstance(reply, UpstreamTimeout) else Failed.BROKEN
+        return failed, reply.message
+    return reply.status, f"status {reply.status}"
+
+
+def busy_reply(reply: Reply, backend: Backend) -> bool:
+    """A 429/503 reply with Retry-After: its backend is skipped that long (``note_busy``)."""
+    if reply is None or isinstance(reply, GatewayError):
+        return False
+    return note_busy(reply.status, header(reply.headers, b"retry-after"), backend)
 
 
 @dataclass(slots=True)
@@ -50,8 +79,10 @@ class Plan:
 class Planner:
     def __init__(self, router: Router, queue: WaitQueue, arms: Arms, canary: Canary,
                  shadow: Shadow, lookup: Lookup, pool: BackendPool, timeouts: UpstreamSection,
-                 metrics: Metrics, tracing: Tracing | None) -> None:
+                 metrics: Metrics, tracing: Tracing | None,
+                 tally: Callable[[Ticket, float], None]) -> None:
         self._router = router
+        self._tally = tally  # each attempt's outcome, counted by backend and arm
         self._lookup = lookup
         self._pool = pool
         self._queue = queue
@@ -122,6 +153,10 @@ class Planner:
             record.placed = True
             self._queue.take(record.tenant)
         return ticket
+
+    def attempt(self, ticket: Ticket, record: Record) -> Attempt:
+        """The bookkeeping around one attempt on ``ticket.backend``."""
+        return Attempt(ticket, record.request.started, self._tally)
 
     async def back_off(self, attempt: int, total: float) -> bool:
         """Wait before attempt ``attempt``; False when the pause would outlast the request

@@ -6,38 +6,17 @@ import asyncio
 import logging
 
 from backends.backend import Backend
-from gateway.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 from gateway.http.deadline import Deadline
 from gateway.http.headers import upstream_request_headers
 from gateway.observability.tracing import Tracing
-from gateway.proxy.relay import header
-from gateway.resilience.attempt import Failed, note_busy
+from gateway.request.plan import Reply
 from gateway.routing.pool import BackendPool
 from gateway.routing.responses import ResponsePins
 from gateway.types import Record
-from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
 
 log = logging.getLogger("gateway.proxy")
-
-
-Reply = UpstreamResponse | GatewayError | None  # what an attempt's request came back with
-
-
-def result_of(reply: Reply) -> tuple[int | Failed, str]:
-    """An attempt's result as ``judge`` reads it, and the cause the breaker is told."""
-    if reply is None:
-        return Failed.CONNECT, "connect"
-    if isinstance(reply, GatewayError):
-        failed = Failed.TIMEOUT if isinstance(reply, UpstreamTimeout) else Failed.BROKEN
-        return failed, reply.message
-    return reply.status, f"status {reply.status}"
-
-
-def busy_reply(reply: Reply, backend: Backend) -> bool:
-    """A 429/503 reply with Retry-After: its backend is skipped that long (``note_busy``)."""
-    if reply is None or isinstance(reply, GatewayError):
-        return False
-    return note_busy(reply.status, header(reply.headers, b"retry-after"), backend)
 
 
 class Opener:

@@ -17,7 +17,7 @@ from starlette.types import Send
 from backends.backend import Backend
 from gateway.errors import StreamAborted, UpstreamTimeout, UpstreamUnavailable, sse_error_event
 from gateway.http.deadline import Deadline
-from gateway.http.headers import client_response_headers
+from gateway.http.headers import client_response_headers, header
 from gateway.http.rewrite import Chain, Filter, ModelRewrite
 from gateway.http.sink import Sink
 from gateway.metrics import Metrics
@@ -47,11 +47,6 @@ def _headers(resp: UpstreamResponse, backend: Backend, record: Record, stream: b
     if record.fallback_of is not None:
         headers.append(FALLBACK)
     return headers
-
-
-def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
-    """A header's value (``name`` in lower case), or b"" when absent."""
-    return next((v for k, v in headers if k.lower() == name), b"")
 
 
 class Tap:
@@ -93,7 +88,7 @@ class Tap:
 
 
 class Resumer(Protocol):
-    """Continues a broken stream elsewhere (``gateway.proxy.resume.Resume``)."""
+    """Continues a broken stream elsewhere (``gateway.reply.resume.Resume``)."""
 
     room: int  # bytes of a stream kept to continue it
 
@@ -112,7 +107,7 @@ class Relay:
         self._replies = replies
         self._cache_max = cache_max
         self._metrics = metrics
-        self.resume: Resumer | None = None  # continues broken streams (gateway.proxy.resume)
+        self.resume: Resumer | None = None  # continues broken streams (gateway.reply.resume)
 
     def _rewrite(self, request: Request, backend: Backend,
                  headers: list[tuple[bytes, bytes]]) -> ModelRewrite | None:

@@ -22,8 +22,9 @@ from gateway.errors import GatewayError
 from gateway.http.deadline import Deadline
 from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
-from gateway.proxy.opener import Opener, Reply, busy_reply, result_of
-from gateway.proxy.relay import Relay
+from gateway.reply.opener import Opener
+from gateway.reply.relay import Relay
+from gateway.request.plan import Reply, busy_reply, result_of
 from gateway.resilience.attempt import Attempt, Failed, judge, stepped_out
 from gateway.resilience.breaker import Ticket
 from gateway.resilience.resume import Partial, Seam, continuation, eligible, fold
