@@ -7,13 +7,21 @@ anywhere else they fail. The gateway names each new response itself, through vLL
 ``request_id`` field (which becomes the response's ``id``), so it knows the id before the
 reply and never reads the reply; once the backend has answered 200 it records
 id -> backend in Redis with the pin TTL. A follow-up then goes there or gets a clear error.
+
+Each process also remembers where the last ``REMEMBERED`` responses it made are stored (with
+the same TTL), so that a Redis that does not answer for a moment (a timeout, a restart) does
+not send the next turns of its conversations astray: the client's connection usually comes
+back to the same process, and its follow-up is routed from memory when Redis can't say.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 
 import orjson
 
@@ -25,6 +33,7 @@ from gateway.state.link import Command, RedisLink, text
 log = logging.getLogger("gateway.routing")
 
 RESPONSES = "/v1/responses"
+REMEMBERED = 4096  # per process: the newest responses it made, id -> (backend, expiry)
 _STORED = re.compile(r"/v1/responses/([^/]{1,256})(/cancel)?")
 
 
@@ -43,11 +52,15 @@ class ResponsePins:
     """Response id -> the backend that stored it, in Redis. Off (``None`` link): requests
     are routed as any other and a follow-up may land where its state is not."""
 
-    def __init__(self, link: RedisLink | None, ttl: float, pool: BackendPool) -> None:
+    def __init__(self, link: RedisLink | None, ttl: float, pool: BackendPool,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._link = link
         self._pool = pool
         self._prefix = (link.prefix if link is not None else "") + "resp:"
+        self._ttl = ttl
         self._ttl_ms = int(ttl * 1000)
+        self._clock = clock
+        self._made: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -75,23 +88,25 @@ class ResponsePins:
 
     def where(self, response_id: str, required: bool, answered: bool,
               result: object) -> Backend | None:
-        """The backend that stored ``response_id``, from the lookup's answer. Without a
-        record: None for a follow-up (``required=False``: it is routed as any request, and
-        vLLM says if it doesn't know the id), 404 for a retrieval or cancel. Its backend
-        gone: 503 naming the id."""
+        """The backend that stored ``response_id``, from the lookup's answer, else from
+        this process's memory of the responses it made. Without either: None for a
+        follow-up (``required=False``: it is routed as any request, and vLLM says if it
+        doesn't know the id), 404 for a retrieval or cancel (503 when Redis did not
+        answer). Its backend gone: 503 naming the id."""
         named = text(result) if answered and not isinstance(result, Exception) else None
+        named = named or self._remembered(response_id)
         shown = response_id[:256]
-        if not answered:
+        if named is None:
+            if answered:
+                if required:
+                    raise ResponseNotFound(f"Response with id '{shown}' not found.")
+                return None
             if not required:
                 log.warning("response %s: Redis can't say where it is stored; routed as any "
                             "request", shown)
                 return None
             raise ResponseUnavailable(f"where response '{shown}' is stored can't be looked up "
                                       "now; retry shortly")
-        if named is None:
-            if required:
-                raise ResponseNotFound(f"Response with id '{shown}' not found.")
-            return None
         backend = next((b for b in self._pool.backends if b.name == named), None)
         if backend is None or not backend.routable or not self._pool.allows(backend):
             raise ResponseUnavailable(
@@ -100,9 +115,20 @@ class ResponsePins:
                 "previous_response_id" if not required else None)
         return backend
 
+    def _remembered(self, response_id: str) -> str | None:
+        kept = self._made.get(response_id)
+        if kept is None or kept[1] <= self._clock():
+            return None
+        return kept[0]
+
     async def record(self, response_id: str, backend: Backend) -> None:
-        """Remember where ``response_id`` is stored (after its backend answered 200)."""
+        """Remember where ``response_id`` is stored (after its backend answered 200), here
+        and in Redis."""
         if self._link is not None:
+            self._made[response_id] = (backend.name, self._clock() + self._ttl)
+            self._made.move_to_end(response_id)
+            if len(self._made) > REMEMBERED:
+                self._made.popitem(last=False)
             await self._link.execute(("SET", self._prefix + response_id, backend.name,
                                       "PX", self._ttl_ms))
 

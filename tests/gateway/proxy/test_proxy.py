@@ -231,3 +231,36 @@ def test_a_session_waits_for_its_pin_only_when_there_is_a_choice(
     run(loop, link.settled())
     assert again.headers["x-gateway-backend"] == pinned
     assert parts.router.pins_made == {pinned: 1}  # one session, however it was pinned
+
+
+@pytest.mark.parametrize("redis", ["away", "back without the records"])
+def test_follow_ups_reach_their_responses_backend_while_redis_cannot_say(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch, redis: str,
+) -> None:
+    """A stored response's follow-ups and retrievals go to the backend that stored it even
+    when Redis did not take the record (away when the first turns were answered) or cannot
+    be asked: the process remembers the responses it made. Round robin would send every
+    second request to the other backend (the CI failure of stop 43: 19 of 20 follow-ups
+    answered 404 by the instance that never stored them)."""
+    link = MemoryLink()
+    built_with(link, monkeypatch)
+    stored = Reply.json(200, {"object": "response", "status": "completed"})
+    upstream = FakeUpstream({A: always(stored), B: always(stored)})
+    parts = gateway(upstream, routing={"policy": "round_robin"},
+                    redis={"url": "redis://127.0.0.1:1"})
+    first = {"model": "m", "input": "hello", "store": True}
+    link.down = True
+    made = []
+    for _ in range(3):  # a, b, a: round robin alone would send the follow-ups to b, a, b
+        answered = run(loop, call(parts.proxy, first, path="/v1/responses"))
+        assert answered.status == 200
+        made.append((orjson.loads(upstream.sent[-1][1])["request_id"],
+                     answered.headers["x-gateway-backend"]))
+    assert {backend for _, backend in made} == {"a", "b"}  # round robin, as expected
+    link.down = redis == "away"
+    for rid, backend in made:
+        follow = {**first, "input": "go on", "previous_response_id": rid}
+        answered = run(loop, call(parts.proxy, follow, path="/v1/responses"))
+        assert (answered.status, answered.headers["x-gateway-backend"]) == (200, backend)
+    # Redis never held the first turns' records: the process's memory answered.
+    assert not any(link.store.exists(link.prefix + "resp:" + rid) for rid, _ in made)
