@@ -56,9 +56,13 @@ def unpinned(gw: Gateway, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def test_twenty_two_turn_conversations_all_succeed_through_the_gateway(gw: Gateway) -> None:
+    mark = len(gw.proc.output())
     ok, failures = conversations(gw)
     print(f"\nresponses, pinned (default config): {ok}/{CONVERSATIONS} succeeded")
-    assert (ok, failures) == (CONVERSATIONS, [])
+    # What the gateway said meanwhile, beyond its access lines: why a follow-up went astray.
+    said = [line for line in gw.proc.output()[mark:].splitlines()
+            if '"level":"info"' not in line][-20:]
+    assert (ok, failures) == (CONVERSATIONS, []), said
 
 
 def test_without_pinning_follow_ups_fail_when_they_land_elsewhere(unpinned: Gateway) -> None:
