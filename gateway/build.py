@@ -9,6 +9,7 @@ and the app (``gateway.app``) only routes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,10 +81,16 @@ class SharedState:
 
 @dataclass(frozen=True)
 class Serving:
-    """What only a process that serves requests has (the control process has none)."""
+    """What only a process that serves requests has (the control process has none): the
+    proxy, its HTTP client, the router and session pins, the reply cache and degraded
+    replies, the gateway's queue."""
 
     proxy: Proxy
     upstream: Upstream
+    router: Router
+    replies: ReplyCache
+    degraded: Degraded
+    queue: WaitQueue
 
 
 @dataclass(frozen=True)
@@ -92,9 +99,6 @@ class Parts:
     breakers: Breakers
     pool: BackendPool
     canary: Canary
-    router: Router
-    replies: ReplyCache
-    degraded: Degraded
     serving: Serving | None  # None in the control process
     probe: HttpProbe
     checker: HealthChecker
@@ -113,6 +117,11 @@ class Parts:
     def proxy(self) -> Proxy:
         assert self.serving is not None, "the control process serves no request"
         return self.serving.proxy
+
+    @property
+    def router(self) -> Router:
+        assert self.serving is not None, "the control process routes no request"
+        return self.serving.router
 
 
 @dataclass(frozen=True)
@@ -179,14 +188,9 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     canary = Canary(config.canary, metrics)
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None
-    router = _router(config, pool, link, metrics, breakers)
-    replies = ReplyCache(config.degraded, link if config.degraded.cache else None,
-                         dropped=metrics.reply_cache_dropped)
-    degraded = Degraded(config.degraded, replies, metrics)
     gate, ledger = tenants(config, link, keyring, metrics)
-    queue = WaitQueue(config.queue, metrics, len(keyring.tenants))
     serving = None if role.kind is Kind.CONTROL else _request_path(  # it serves no request
-        config, pool, router, canary, degraded, gate, queue, metrics, link, upstream)
+        config, pool, breakers, canary, gate, len(keyring.tenants), metrics, link, upstream)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
     supervisors: dict[str, Supervisor] = {}
@@ -199,24 +203,31 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
 
     if role.control is None:  # a worker's backends live in the control process
         supervisors.update({b.name: supervise(b) for b in pool.backends if b.managed})
-    control = _control_link(role, pool, metrics, router, degraded)
-    status = Status(pool, breakers, canary, router, degraded, supervisors, metrics,
+    control = _control_link(role, pool, metrics, serving)
+    status = Status(pool, breakers, canary, supervisors, metrics,
+                    own=_own_counts(serving),
                     replica=(lambda: control.replica) if control is not None else None)
     reloadable = Reloadable(pool, breakers, canary, supervisors,
                             supervise if control is None else None,
-                            checker if control is None else None, keyring, queue)
+                            checker if control is None else None, keyring,
+                            serving.queue if serving is not None else None)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
                            shared, workers, control, discovery)
-    return Parts(metrics, breakers, pool, canary, router, replies, degraded, serving, probe,
+    return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
                  control, keyring, ledger)
 
 
-def _request_path(config: Config, pool: BackendPool, router: Router, canary: Canary,
-                  degraded: Degraded, gate: TenantGate, queue: WaitQueue, metrics: Metrics,
-                  link: RedisLink | None, upstream: Upstream | None) -> Serving:
-    """A serving process's proxy and its HTTP client: the request's plan (its one Redis
+def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary: Canary,
+                  gate: TenantGate, tenants: int, metrics: Metrics, link: RedisLink | None,
+                  upstream: Upstream | None) -> Serving:
+    """A serving process's proxy and what only it uses: the request's plan (its one Redis
     round trip and its candidates) and the reply's parts, each built once here."""
+    router = _router(config, pool, link, metrics, breakers)
+    replies = ReplyCache(config.degraded, link if config.degraded.cache else None,
+                         dropped=metrics.reply_cache_dropped)
+    degraded = Degraded(config.degraded, replies, metrics)
+    queue = WaitQueue(config.queue, metrics, tenants)
     ttl = config.routing.session_ttl
     # Arms are stored whenever Redis is: a reload may turn the canary on.
     arms = Arms(pool, canary, PinStore(link, ttl, "arm") if link is not None else None)
@@ -235,8 +246,17 @@ def _request_path(config: Config, pool: BackendPool, router: Router, canary: Can
                               metrics, tally, tracer)
     parse = RequestParser(config, responses, pool, config.injects_usage)
     access = RequestLog(metrics, config.gateway.access_log, tracer)
-    return Serving(Proxy(config, parse, gate, plans, opener, relay, Rescue(pool, degraded),
-                         access), upstream)
+    proxy = Proxy(config, parse, gate, plans, opener, relay, Rescue(pool, degraded), access)
+    return Serving(proxy, upstream, router, replies, degraded, queue)
+
+
+def _own_counts(serving: Serving | None) -> Callable[[], dict[str, Any]]:
+    """This process's own sessions pinned and recent degraded replies, for its status views
+    (the control process has none: its workers' sums come through its table)."""
+    if serving is None:
+        return lambda: {"pins": {}, "degraded": []}
+    router, degraded = serving.router, serving.degraded
+    return lambda: {"pins": router.pins_made, "degraded": list(degraded.recent)}
 
 
 def _router(config: Config, pool: BackendPool, link: RedisLink | None, metrics: Metrics,
@@ -255,13 +275,14 @@ def _workers(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
     return WorkerTable(pool, supervisors, discovered=discovery.found)
 
 
-def _control_link(role: Role, pool: BackendPool, metrics: Metrics, router: Router,
-                  degraded: Degraded) -> ControlLink | None:
+def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
+                  serving: Serving | None) -> ControlLink | None:
     """A worker's link to its control process: it neither probes nor supervises, but adopts
     the control process's snapshot, and reports the sessions it pinned and the degraded
     replies it gave."""
-    if role.control is None:
+    if role.control is None or serving is None:
         return None
+    router, degraded = serving.router, serving.degraded
     return ControlLink(role.control, pool, replaced=metrics.workers_replaced,
                        pins=lambda: router.pins_made, recent=lambda: degraded.recent)
 

@@ -68,7 +68,8 @@ class Lifespan:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._parts.replies.aclose()
+            if self._parts.serving is not None:
+                await self._parts.serving.replies.aclose()
             await shared.link.aclose()
             if shared.embedded is not None:
                 await shared.embedded.stop()

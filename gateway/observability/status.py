@@ -13,28 +13,26 @@ from gateway.canary.rollout import Canary
 from gateway.metrics import Metrics
 from gateway.observability.trends import Trends, reader
 from gateway.resilience.breaker import STATE_VALUE, Breakers
-from gateway.resilience.degraded import Degraded
 from gateway.routing.pool import BackendPool
-from gateway.routing.router import Router
 
 STATES = tuple(s.value for s in BackendState)
 
 
 class Status:
-    def __init__(self, pool: BackendPool, breakers: Breakers, canary: Canary, router: Router,
-                 degraded: Degraded, supervisors: Mapping[str, Supervisor],
-                 metrics: Metrics, trends: Trends | None = None,
+    def __init__(self, pool: BackendPool, breakers: Breakers, canary: Canary,
+                 supervisors: Mapping[str, Supervisor], metrics: Metrics,
+                 own: Callable[[], Mapping[str, Any]], trends: Trends | None = None,
                  replica: Callable[[], Mapping[str, Any]] | None = None) -> None:
-        """``replica``: in a serving worker, what only the whole replica tells (requests in
-        flight and sessions pinned per backend, summed over the workers, and every worker's
-        recent degraded replies), so that every worker's status page shows the same; else
-        this process's own are the replica's."""
+        """``own``: this process's sessions pinned per backend (``pins``) and its recent
+        degraded replies (``degraded``). ``replica``: in a serving worker, what only the
+        whole replica tells (requests in flight and sessions pinned per backend, summed over
+        the workers, and every worker's recent degraded replies), so that every worker's
+        status page shows the same; else this process's own are the replica's."""
         self._pool = pool
         self._replica = replica
         self._breakers = breakers
         self._canary = canary
-        self._router = router
-        self._degraded = degraded
+        self._own = own
         self._supervisors = supervisors
         self._m = metrics
         self.trends = trends or Trends(reader(metrics))
@@ -70,7 +68,8 @@ class Status:
     def data(self) -> dict[str, Any]:
         now = time.monotonic()
         counts = self._replica() if self._replica is not None else {}
-        pins = counts.get("pins", self._router.pins_made)
+        own = self._own()
+        pins = counts.get("pins", own["pins"])
         in_flight = counts.get("in_flight", {})
         backends = []
         for b in self._pool.backends:
@@ -92,6 +91,6 @@ class Status:
                 "breaker": self._breakers.status(b.name), "last_probe": b.last_probe,
                 "models": sorted(b.models)})
         return {"backends": backends, "canary": self._canary.status(),
-                "degraded": counts.get("degraded", list(self._degraded.recent)),
+                "degraded": counts.get("degraded", own["degraded"]),
                 "trends": self.trends.data(),
                 "time": time.time()}

@@ -9,11 +9,13 @@ import asyncio
 import orjson
 
 from backends.backend import Backend, BackendState, GpuReading, LoadReport
+from gateway.build import build
 from gateway.control.link import ControlLink
+from gateway.control.role import Kind, Role
 from gateway.control.server import FIRST_REPORT, SILENT, WorkerTable
 from gateway.control.snapshot import encode
 from gateway.routing.pool import BackendPool
-from tests.factories import backend
+from tests.factories import backend, config
 
 SPAWN = {"model": "m", "port": 9}
 
@@ -190,3 +192,17 @@ def test_every_workers_degraded_replies_are_the_replicas_newest_first() -> None:
     workers.report(2, {}, {}, [given(10.0 + n) for n in range(25)])
     recent = workers.replica()["degraded"]
     assert len(recent) == 20 and recent[0]["id"] == "r34" and recent[-1]["id"] == "r15"
+
+
+def test_the_control_process_builds_nothing_of_the_request_path() -> None:
+    """It serves no request: no proxy, HTTP client, router, reply cache or queue is built
+    there (a worker and a single process build them); its status shows no pins of its own."""
+    settings = config(backends=[{"name": "a", "url": "http://a.test:8000"}],
+                      routing={"sticky": False}, breaker={"share": False},
+                      degraded={"cache": False})
+    control = build(settings, role=Role(Kind.CONTROL))
+    assert control.serving is None and control.reloadable.queue is None
+    assert [b["pins"] for b in control.status.data()["backends"]] == [0]
+    assert control.status.data()["degraded"] == []
+    single = build(settings)
+    assert single.serving is not None and single.reloadable.queue is single.serving.queue
