@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from importlib import resources
+from pathlib import Path
 
 import orjson
 import yaml
@@ -24,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway import __version__
 from gateway.build import Parts, build
-from gateway.config import CONFIG_ENV, Config, load
+from gateway.config import CONFIG_ENV, CONFIG_TEXT_ENV, Config, load
 from gateway.control.role import Role
 from gateway.errors import StreamAborted, error_body
 from gateway.http.asgi import request_id, send_json
@@ -163,7 +164,10 @@ def from_env() -> GatewayApp:
     """The app factory each serving process calls (config path and role from the
     environment)."""
     path = os.environ[CONFIG_ENV]
-    config = load(path)
+    # A serving worker reads the text its control process runs (kept in the control's
+    # private dir), not the file, which may have been edited since without a reload.
+    text = Path(os.environ.get(CONFIG_TEXT_ENV) or path).read_text(encoding="utf-8")
+    config = load(path, text=text)
     if not logging.getLogger().handlers:  # a spawned worker: logging is not set up yet
         logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
     return GatewayApp(config, build(config, path, Role.from_env()))

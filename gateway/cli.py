@@ -24,13 +24,18 @@ log = logging.getLogger("gateway")
 LISTEN_ENV = "VGW_GATEWAY__LISTEN"
 
 
-def _load_or_exit(path: str, listen: str | None = None) -> Config:
-    """The config with the environment's overrides; ``--listen`` is one more, on top, which
-    the serving processes inherit (as ``VGW_GATEWAY__LISTEN``)."""
+def _load_or_exit(path: str, listen: str | None = None) -> tuple[Config, str | None]:
+    """The config with the environment's overrides, and the file's text it was read from;
+    ``--listen`` is one more override, on top, which the serving processes inherit (as
+    ``VGW_GATEWAY__LISTEN``)."""
     if listen is not None:
         os.environ[LISTEN_ENV] = listen
     try:
-        return load(path)
+        text: str | None = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        text = None  # load says why
+    try:
+        return load(path, text=text), text
     except ConfigError as exc:
         for problem in exc.problems:
             if listen is not None and problem.startswith(LISTEN_ENV + ":"):
@@ -47,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.errors import StreamAborted
     from gateway.http.server import DescriptorLimit, connection_cap
 
-    config = _load_or_exit(args.config, args.listen)
+    config, text = _load_or_exit(args.config, args.listen)
     logs.setup(config.gateway.log_level, StreamAborted, fmt=config.gateway.log_format)
     if not config.gateway.api_keys and not config.keys:
         log.warning("no [[keys]] or [gateway] api_keys configured: the gateway is open to "
@@ -62,15 +67,17 @@ def _serve(args: argparse.Namespace) -> int:
     path = str(Path(args.config).resolve())
     processes = config.gateway.processes
     if processes > 1:
-        return process.serve(config, path, processes, _control_plane(config, path))
+        return process.serve(config, path, processes, _control_plane(config, path, text))
     os.environ[CONFIG_ENV] = path  # the app factory reads the config from this path
     uvicorn.run("gateway.app:from_env", factory=True, host=config.gateway.host,
                 port=config.gateway.port, **workers.uvicorn_options(config.gateway))
     return 0
 
 
-def _control_plane(config: Config, path: str) -> Plane:
-    """What the control process runs, built as every process's parts are."""
+def _control_plane(config: Config, path: str, text: str | None) -> Plane:
+    """What the control process runs, built as every process's parts are; its workers
+    are told the file's text it runs (``text``), even one started after an edit that was
+    never reloaded."""
     from gateway.build import build
     from gateway.control.process import Plane
     from gateway.control.role import Kind, Role
@@ -78,6 +85,7 @@ def _control_plane(config: Config, path: str) -> Plane:
 
     parts = build(config, path, Role(Kind.CONTROL))
     assert parts.workers is not None
+    parts.workers.publish(0, text)
     operators, shared = parts.operators, parts.shared
 
     def redis_url() -> str | None:
@@ -89,7 +97,7 @@ def _control_plane(config: Config, path: str) -> Plane:
 
 
 def _check(args: argparse.Namespace) -> int:
-    config = _load_or_exit(args.config)
+    config, _ = _load_or_exit(args.config)
     print(f"{args.config}: OK ({len(config.backends)} backends)")
     return 0
 
@@ -134,7 +142,7 @@ def _sim(args: argparse.Namespace) -> int:
 def _admin(args: argparse.Namespace) -> int:
     from gateway.admin import client as admin_cli
 
-    target = admin_cli.Target.of(args, lambda: _load_or_exit(args.config))
+    target = admin_cli.Target.of(args, lambda: _load_or_exit(args.config)[0])
     if args.command == "status":
         return admin_cli.status(target, args)
     if args.command == "drain":

@@ -41,6 +41,7 @@ from gateway.config.values import (
 )
 
 CONFIG_ENV = "VLLM_GATEWAY_CONFIG"  # how `serve` tells its worker processes the config path
+CONFIG_TEXT_ENV = "VLLM_GATEWAY_CONFIG_TEXT"  # a file with the text the control process runs
 # workers = "auto" stops here: each worker holds its own Redis and upstream connections and
 # probes every backend, and a proxy that needs more than 8 cores is rare.
 AUTO_WORKERS_CAP = 8

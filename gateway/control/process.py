@@ -36,7 +36,7 @@ from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
 from backends.reaper import dies_with
-from gateway.config import CONFIG_ENV, Config
+from gateway.config import CONFIG_ENV, CONFIG_TEXT_ENV, Config
 from gateway.control.role import Kind, Role
 from gateway.control.server import WorkerTable
 from gateway.metrics import MULTIPROC_ENV
@@ -135,7 +135,12 @@ class Control:
         role = Role(Kind.WORKER, control, self._plane.redis_url())
         metrics = os.path.join(private, "metrics")
         os.mkdir(metrics)
-        return {**os.environ, CONFIG_ENV: self._path, MULTIPROC_ENV: metrics, **role.env()}
+        text = os.path.join(private, "config.toml")
+        self._workers.keep(text)  # a worker started after an edit never reloaded runs ours
+        env = {**os.environ, CONFIG_ENV: self._path, MULTIPROC_ENV: metrics, **role.env()}
+        if os.path.exists(text):
+            env[CONFIG_TEXT_ENV] = text
+        return env
 
     def _listen(self) -> list[socket.socket]:
         """One listening socket per worker on the same port (``SO_REUSEPORT``), or one shared

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +55,7 @@ class WorkerTable:
         self.pids: set[int] = set()
         self.replaced = {"hung": 0, "exited": 0}  # workers replaced, by why
         self._config: tuple[int, str] | None = None  # the last reload's: (version, text)
+        self._kept: str | None = None  # where new workers read that text
         self._degraded: list[dict[str, Any]] = []  # every worker's recent ones, newest first
 
     def add(self, pid: int) -> None:
@@ -87,10 +89,20 @@ class WorkerTable:
         self._born = dict.fromkeys(self._born, now)
 
     def publish(self, version: int, text: str | None) -> None:
-        """The config this process accepted (its ``version``-th reload, as it read the file):
-        each worker takes it at its next report, without reading the file itself."""
+        """The config this process accepted (its ``version``-th reload, as it read the file;
+        0: at start): each worker takes it at its next report, without reading the file
+        itself, and a worker started later reads it from ``keep``'s file."""
         if text is not None:
             self._config = (version, text)
+            if self._kept is not None:
+                _write(self._kept, text)
+
+    def keep(self, path: str) -> None:
+        """Keep the config text this process runs in ``path`` (its private dir) from now
+        on, for the workers it starts."""
+        self._kept = path
+        if self._config is not None:
+            _write(path, self._config[1])
 
     def report(self, pid: int, report: Report, pins: Mapping[str, int] | None = None,
                degraded: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -153,3 +165,12 @@ class WorkerTable:
 
     def __repr__(self) -> str:
         return f"<WorkerTable [{len(self.pids)} | reported {len(self._reports)}]>"
+
+
+def _write(path: str, text: str) -> None:
+    """Replace the file at ``path`` with ``text`` whole (a reader sees the old or the new;
+    a config is a few KiB, written at start and at each reload)."""
+    part = path + ".part"
+    with open(part, "w", encoding="utf-8") as out:
+        out.write(text)
+    os.replace(part, path)

@@ -301,6 +301,23 @@ def test_a_reload_reaches_every_worker(gw: Gateway, tmp: Path, url_sim: Sim) -> 
         extra.stop()
 
 
+def test_a_worker_started_after_an_edit_runs_the_control_processs_config(
+        gw: Gateway, url_sim: Sim) -> None:
+    """The file edited but not reloaded: a worker that replaces a dead one runs the config
+    its control process runs (kept in its private dir), not the edit; the reload applies
+    it everywhere."""
+    text = gw.config_path.read_text()
+    try:
+        gw.config_path.write_text(text + backend_toml("edited", url_sim.url))
+        victim = next(iter(per_worker(gw)))
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: victim not in per_worker(gw), 30, "the dead worker replaced")
+        for client in per_worker(gw).values():
+            assert set(states(client)) == {"a", "b"}  # the new worker too: no "edited"
+    finally:
+        gw.config_path.write_text(text)
+
+
 def test_sigterm_stops_the_workers_the_backends_and_valkey(gw: Gateway) -> None:
     per_worker(gw)
     family = descendants(gw.proc.popen.pid)
