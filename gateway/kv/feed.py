@@ -1,0 +1,149 @@
+"""One backend's KV events, as vLLM 0.32 publishes them (``vllm/distributed/kv_events.py``),
+into the index: a ZMQ SUB on its ``endpoint`` (frames ``[topic, seq, payload]``, ``seq``
+8 bytes big-endian, from 0 at each start of the instance) and, for gaps, a DEALER on its
+``replay_endpoint`` (ask ``[b"", start seq]``; batches come back ``[b"", topic, seq,
+payload]`` until ``[b"", b"", END, b""]``).
+
+What the stream says is applied in order, one batch at a time; what it cannot say is never
+guessed: a gap that the replay does not fill (vLLM keeps its last ``buffer_steps`` batches)
+or a seq that goes back (the instance restarted) drops the backend's blocks from the index,
+and the next events rebuild them. A frame or payload that is not vLLM's is counted and
+passed over. The feed only reads: it never slows vLLM's publisher (a PUB socket drops at
+its high-water mark rather than wait), and replays are asked only for a gap, from the
+first missing seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from gateway.kv.events import BadEvents, decode
+from gateway.kv.index import Index
+
+log = logging.getLogger("gateway.kv")
+
+END = b"\xff" * 8  # vLLM's end of a replay (-1 as 8 signed bytes)
+MAX_MESSAGE = 64 << 20  # a larger message is refused by ZMQ itself (the peer is cut off)
+REPLAY_WITHIN = 2.0  # seconds for a whole replay, else the gap is given up
+
+
+@dataclass
+class FeedCounts:
+    batches: int = 0
+    bad: int = 0  # frames or payloads that were not vLLM's: passed over
+    gaps: int = 0
+    replayed: int = 0  # batches a replay filled in
+    resets: int = 0  # the backend's blocks dropped: a restart, or a gap no replay filled
+    last_event: float | None = None  # monotonic time of the last batch applied
+
+
+class Feed:
+    def __init__(self, backend: str, index: Index, endpoint: str, replay: str | None = None,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        self.backend = backend
+        self.counts = FeedCounts()
+        self._index = index
+        self._endpoint = endpoint
+        self._replay = replay
+        self._context = context or zmq.asyncio.Context.instance()
+        self._last: int | None = None  # the seq of the last batch applied
+
+    async def run(self) -> None:
+        """Subscribe and apply until cancelled (the control plane runs one per backend)."""
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self._endpoint)
+        try:
+            while True:
+                await self.receive(await sub.recv_multipart())
+        finally:
+            sub.close()
+
+    async def receive(self, frames: list[bytes]) -> None:
+        """One message from the SUB socket: applied, or (after a gap) the gap first."""
+        parsed = self._parse(frames)
+        if parsed is None:
+            return
+        seq, payload = parsed
+        if self._last is not None and seq <= self._last:
+            log.info("kv events of %s start again at %d: its blocks are dropped",
+                     self.backend, seq)
+            self._reset()
+        elif self._last is not None and seq > self._last + 1:
+            self.counts.gaps += 1
+            if not await self._fill(self._last + 1, seq):
+                log.warning("kv events of %s: batches %d to %d lost; its blocks are dropped",
+                            self.backend, self._last + 1, seq - 1)
+                self._reset()
+        self._apply(seq, payload)
+
+    def _parse(self, frames: list[bytes]) -> tuple[int, bytes] | None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.counts.bad += 1
+            return None
+        return int.from_bytes(frames[1], "big"), frames[2]
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode(payload)
+        except BadEvents as exc:
+            self.counts.bad += 1
+            log.warning("kv events of %s: batch %d passed over: %s", self.backend, seq,
+                        str(exc)[:200])
+        else:
+            self._index.apply(self.backend, batch)
+            self.counts.batches += 1
+            self.counts.last_event = time.monotonic()
+        self._last = seq
+
+    def _reset(self) -> None:
+        self.counts.resets += 1
+        self._index.drop(self.backend)
+        self._last = None
+
+    async def _fill(self, first: int, upto: int) -> bool:
+        """Batches ``first`` .. ``upto - 1`` from the replay endpoint, applied in order;
+        False when it has none, answers too late or no longer holds ``first``."""
+        if self._replay is None:
+            return False
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._replay)
+        try:
+            await dealer.send_multipart([b"", first.to_bytes(8, "big")])
+            async with asyncio.timeout(REPLAY_WITHIN):
+                return await self._replayed(dealer, first, upto)
+        except (TimeoutError, zmq.ZMQError):
+            return False
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                dealer.close()
+
+    async def _replayed(self, dealer: zmq.asyncio.Socket, first: int, upto: int) -> bool:
+        want = first
+        while want < upto:
+            frames = await dealer.recv_multipart()
+            if len(frames) == 4 and frames[2] == END:
+                return False  # it ended before the gap was filled
+            if len(frames) != 4 or len(frames[2]) != 8:
+                self.counts.bad += 1
+                return False
+            seq = int.from_bytes(frames[2], "big")
+            if seq < want:
+                continue
+            if seq > want:
+                return False  # it no longer holds ``want``
+            self._apply(seq, frames[3])
+            self.counts.replayed += 1
+            want += 1
+        return True
