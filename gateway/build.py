@@ -36,6 +36,8 @@ from gateway.control.link import ControlLink, ForwardedAdmin
 from gateway.control.role import SINGLE, Kind, Role
 from gateway.control.server import WorkerTable
 from gateway.http.auth import Refusals
+from gateway.kv.feed import Feeds
+from gateway.kv.index import Index
 from gateway.metrics import Metrics
 from gateway.observability import tracing
 from gateway.observability.access_log import RequestLog
@@ -46,6 +48,7 @@ from gateway.reply.opener import Opener
 from gateway.reply.relay import Relay
 from gateway.reply.rescue import Rescue
 from gateway.reply.resume import Resume
+from gateway.request.cache import CacheLookup
 from gateway.request.lookup import Lookup
 from gateway.request.parse import RequestParser
 from gateway.request.plan import Planner
@@ -91,6 +94,7 @@ class Serving:
     replies: ReplyCache
     degraded: Degraded
     queue: WaitQueue
+    feeds: Feeds | None  # routing.policy = "kv": the backends' KV events, indexed
 
 
 @dataclass(frozen=True)
@@ -237,8 +241,10 @@ def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary:
     tally = Tally(metrics, canary).attempt
     shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
     lookup = Lookup(link, router.store, arms.store, canary, responses, gate, router.made)
+    feeds = Feeds(Index()) if config.routing.policy == "kv" else None
+    cache = CacheLookup(feeds.index, upstream, pool) if feeds is not None else None
     plans = Planner(router, queue, arms, canary, shadow, lookup, pool, config.upstream,
-                    metrics, tracer, tally)
+                    metrics, tracer, tally, cache)
     opener = Opener(pool, upstream, responses, tracer)
     relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
     if config.resilience.continue_streams != "off":
@@ -247,7 +253,7 @@ def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary:
     parse = RequestParser(config, responses, pool, config.injects_usage)
     access = RequestLog(metrics, config.gateway.access_log, tracer)
     proxy = Proxy(config, parse, gate, plans, opener, relay, Rescue(pool, degraded), access)
-    return Serving(proxy, upstream, router, replies, degraded, queue)
+    return Serving(proxy, upstream, router, replies, degraded, queue, feeds)
 
 
 def _own_counts(serving: Serving | None) -> Callable[[], dict[str, Any]]:

@@ -139,6 +139,12 @@ class Lifespan:
             loops.append(asyncio.create_task(parts.link.run(), name="control-link"))
         if kind is not Kind.CONTROL:
             loops.append(asyncio.create_task(parts.operators.ops.refresh(), name="gauges"))
+        feeds = parts.serving.feeds if parts.serving is not None else None
+        if feeds is not None:  # each serving process indexes the events itself (for now)
+            pool = parts.pool
+            loops.append(asyncio.create_task(feeds.run(lambda: {
+                b.name: e for b in pool.backends if (e := b.spec.kv_endpoints) is not None}),
+                name="kv-feeds"))
         return loops
 
     async def _discover(self) -> None:

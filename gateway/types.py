@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,6 +35,8 @@ class Request:
     creates: str | None = None  # the id of the stored response it makes (Responses API)
     follows: str | None = None  # the stored response it continues, retrieves or cancels
     strip_usage: bool = False  # the gateway asked for a usage chunk the client did not
+    # Prompt tokens each candidate holds in its KV cache (issue 38): None when unknown.
+    cached: Mapping[str, int] | None = None
 
 
 class StreamCause(enum.StrEnum):

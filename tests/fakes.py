@@ -69,12 +69,20 @@ class FakeUpstream:
     """Backends by base URL, each an async function of the request body; a URL with none
     refuses the connection. ``sent`` lists (url, body) in the order requests were made."""
 
-    def __init__(self, backends: dict[str, Answer] | None = None) -> None:
+    def __init__(self, backends: dict[str, Answer] | None = None,
+                 tokenizers: dict[str, Answer] | None = None) -> None:
         self.backends = dict(backends or {})
+        self.tokenizers = dict(tokenizers or {})  # vLLM's /tokenize, by base URL
         self.sent: list[tuple[str, bytes]] = []
 
     async def request(self, method: str, url: str, headers: Headers,
                       body: bytes) -> FakeResponse:
+        if url.endswith("/tokenize"):
+            base = url.removesuffix("/tokenize")
+            answer = self.tokenizers.get(base)
+            if answer is None:
+                raise ConnectFailed(f"no tokenizer: {base}")
+            return FakeResponse(await answer(body))
         base = url.split("/v1/", 1)[0]
         answer = self.backends.get(base)
         if answer is None:

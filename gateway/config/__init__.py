@@ -150,7 +150,8 @@ class RoutingSection(Section):
     session_keys: tuple[SessionKey, ...] = (SessionSource(SessionFrom.HEADER, "x-session-id"),
                                             SessionSource(SessionFrom.BODY, "user"))
     session_key_max_len: int = Field(default=256, ge=1, le=4096)
-    policy: Literal["least_loaded", "round_robin", "prefix"] = "least_loaded"
+    # "kv": by what each instance holds in its KV cache (issue 38; docs/KV-ROUTING.md).
+    policy: Literal["least_loaded", "round_robin", "prefix", "kv"] = "least_loaded"
     # Where a new session is pinned. Measured on real vLLM (docs/BENCHMARKS.md, GPU): by
     # load clumps sessions that are between turns; turn-taking spreads them evenly.
     pin_policy: Literal["least_loaded", "round_robin", "prefix"] = "round_robin"
@@ -337,6 +338,11 @@ def setting_problems(config: Config) -> list[str]:
 
 def parse(raw: dict[str, Any]) -> Config:
     problems: list[str] = []
+    routing = raw.get("routing")
+    if isinstance(routing, dict) and routing.get("policy") == "kv":  # spawned ones publish
+        for backend in raw.get("backends") or []:
+            if isinstance(backend, dict) and isinstance(backend.get("spawn"), dict):
+                backend["spawn"].setdefault("kv_events", True)
     config = None
     try:
         config = Config.model_validate(raw)

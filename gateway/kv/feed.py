@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -147,3 +148,41 @@ class Feed:
             self.counts.replayed += 1
             want += 1
         return True
+
+
+class Feeds:
+    """A feed for every backend that publishes events, kept in step with the backends
+    there are (a reload or a discovery adds and removes them): ``run`` looks every
+    ``every`` seconds."""
+
+    def __init__(self, index: Index, every: float = 1.0) -> None:
+        self.index = index
+        self.feeds: dict[str, Feed] = {}
+        self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
+        self._every = every
+
+    def align(self, wanted: dict[str, tuple[str, str | None]]) -> None:
+        """Start a feed per new backend (or new endpoints), stop those no longer wanted."""
+        for name, (endpoints, task) in list(self._tasks.items()):
+            if wanted.get(name) != endpoints:
+                task.cancel()
+                del self._tasks[name]
+                self.feeds.pop(name, None)
+                self.index.drop(name)
+        for name, endpoints in wanted.items():
+            if name not in self._tasks:
+                feed = Feed(name, self.index, endpoints[0], endpoints[1])
+                self.feeds[name] = feed
+                self._tasks[name] = (endpoints, asyncio.get_running_loop().create_task(
+                    feed.run(), name=f"kv-feed-{name}"))
+
+    async def run(self, wanted: Callable[[], dict[str, tuple[str, str | None]]]) -> None:
+        try:
+            while True:
+                self.align(wanted())
+                await asyncio.sleep(self._every)
+        finally:
+            tasks = [task for _, task in self._tasks.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -73,7 +73,12 @@ class Index:
         self._max = max_blocks
         self._holders: dict[Key, set[str]] = {}
         self._held: dict[str, _Held] = {}
+        self._sizes: dict[str, int] = {}  # each backend's block size, as its events say
         self.counts = Counts()
+
+    def size(self, backend: str) -> int:
+        """``backend``'s block size in tokens (0: no event from it yet)."""
+        return self._sizes.get(backend, 0)
 
     def blocks(self, backend: str) -> int:
         held = self._held.get(backend)
@@ -112,6 +117,7 @@ class Index:
         return found
 
     def _stored(self, backend: str, event: Stored) -> None:
+        self._sizes[backend] = event.size
         held = self._held.setdefault(backend, _Held())
         if event.parent is None:
             key = root(event.lora)

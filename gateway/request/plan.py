@@ -20,6 +20,7 @@ from gateway.errors import GatewayError, ResponseUnavailable, UpstreamTimeout
 from gateway.http.headers import header
 from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
+from gateway.request.cache import CacheLookup
 from gateway.request.lookup import Lookup
 from gateway.resilience.attempt import (
     Attempt,
@@ -80,8 +81,10 @@ class Planner:
     def __init__(self, router: Router, queue: WaitQueue, arms: Arms, canary: Canary,
                  shadow: Shadow, lookup: Lookup, pool: BackendPool, timeouts: UpstreamSection,
                  metrics: Metrics, tracing: Tracing | None,
-                 tally: Callable[[Ticket, float], None]) -> None:
+                 tally: Callable[[Ticket, float], None],
+                 cache: CacheLookup | None = None) -> None:
         self._router = router
+        self._cache = cache  # routing.policy = "kv": what each candidate holds of a prompt
         self._tally = tally  # each attempt's outcome, counted by backend and arm
         self._lookup = lookup
         self._pool = pool
@@ -102,7 +105,15 @@ class Planner:
         response lives on one backend, that backend alone is planned."""
         self._arms.draw(record)
         proposed, sole = self._router.propose(record.request, record.group)
-        facts, only = await self._lookup(record, admission, proposed, sole)
+        asking = (asyncio.ensure_future(self._cache(record.request, record.group))
+                  if self._cache is not None and not sole else None)
+        try:
+            facts, only = await self._lookup(record, admission, proposed, sole)
+            if asking is not None:  # asked meanwhile: the longer of the two is waited for
+                record.request = replace(record.request, cached=await asking)
+        finally:
+            if asking is not None and not asking.done():
+                asking.cancel()
         if not record.request.model:
             self._retrieval(record, only)
         self._budget.deposit()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -82,3 +83,37 @@ def test_the_gateways_own_settings_do_not_reach_vllm(monkeypatch: pytest.MonkeyP
     env = build(spec(env={"VGW_MINE": "1"}), gpu_package=False).env
     assert not {"VGW_GATEWAY__ADMIN_KEY", "VGW_ADMIN_KEY"} & set(env)
     assert env["HOME_OF_TEST"] == "kept" and env["VGW_MINE"] == "1"
+
+
+def test_kv_events_go_to_unix_sockets_named_after_the_port_with_cached_tokens() -> None:
+    launch = build(spec(kv_events=True), gpu_package=False)
+    at = launch.argv.index("--kv-events-config")
+    told = json.loads(launch.argv[at + 1])
+    pub, replay = spec(kv_events=True).kv_endpoints or ("", "")
+    assert told == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
+                    "replay_endpoint": replay, "topic": "kv", "max_queue_size": 0}
+    assert pub.startswith("ipc://") and pub.endswith("vgw-kv-8101.pub")
+    assert "--enable-prompt-tokens-details" in launch.argv
+    own = build(spec(kv_events=True, args=["--kv-events-config={}"]), gpu_package=False)
+    assert "--kv-events-config" not in own.argv  # the user's own wins
+    assert "--kv-events-config" not in build(spec(), gpu_package=False).argv
+
+
+def test_the_kv_policy_turns_events_on_for_spawned_backends_only() -> None:
+    from gateway.config import parse
+
+    raw = {"routing": {"policy": "kv"}, "backends": [
+        {"name": "s", "spawn": {"model": "/m", "port": 8101}},
+        {"name": "u", "url": "http://h:8000", "kv_events": "tcp://h:5557",
+         "kv_replay": "tcp://h:5558"},
+        {"name": "off", "spawn": {"model": "/m", "port": 8102, "kv_events": False}}]}
+    config = parse(raw)
+    assert [b.kv_endpoints is not None for b in config.backends] == [True, True, False]
+    assert config.backends[1].kv_endpoints == ("tcp://h:5557", "tcp://h:5558")
+    plain = parse({"backends": [{"name": "s", "spawn": {"model": "/m", "port": 8101}}]})
+    assert plain.backends[0].kv_endpoints is None
+    from gateway.config import ConfigError
+
+    bound = {"backends": [{"name": "u", "url": "http://h:8000", "kv_events": "tcp://*:5557"}]}
+    with pytest.raises(ConfigError, match="backends.0.kv_events: .*tcp://HOST:PORT"):
+        parse(bound)

@@ -47,8 +47,8 @@ def test_every_problem_names_its_file_line(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text(FILE)
     found = problems(path)
-    assert f"{path}:7: routing.policy: Input should be 'least_loaded', 'round_robin' or " \
-           "'prefix'" in found
+    assert f"{path}:7: routing.policy: Input should be 'least_loaded', 'round_robin', " \
+           "'prefix' or 'kv'" in found
     assert f"{path}:15: backends.1.weight: Input should be less than or equal to 1000" in found
     assert f"{path}:18: backends.1.spawn.port: Input should be less than or equal to 65535" \
         in found

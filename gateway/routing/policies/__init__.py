@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gateway.config import RoutingSection
+from gateway.routing.policies.kv import KvAware
 from gateway.routing.policies.least_loaded import LeastLoaded
 from gateway.routing.policies.prefix import PrefixAware
 from gateway.routing.policies.round_robin import RoundRobin
@@ -19,7 +20,9 @@ def make_policy(settings: RoutingSection, name: str | None = None) -> Policy:
         return RoundRobin()
     if name == "prefix":
         return PrefixAware(settings.prefix_chars, settings.bounded_load_factor)
+    if name == "kv":
+        return KvAware(settings.bounded_load_factor)
     raise ValueError(f"unknown policy {name!r}")
 
 
-__all__ = ["LeastLoaded", "PrefixAware", "RoundRobin", "make_policy"]
+__all__ = ["KvAware", "LeastLoaded", "PrefixAware", "RoundRobin", "make_policy"]

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
+
 from gateway.routing.hashing import rendezvous
-from gateway.routing.policies import PrefixAware, RoundRobin
+from gateway.routing.policies import KvAware, PrefixAware, RoundRobin
 from gateway.routing.policies.prefix import prompt_head
 from gateway.types import Request
 from tests.factories import backends as pool
@@ -52,3 +54,17 @@ def test_round_robin_ignores_load() -> None:
     policy = RoundRobin()
     names = [policy.choose(backends, chat("s", "u")).name for _ in range(6)]
     assert sorted(names) == ["b0", "b0", "b1", "b1", "b2", "b2"]
+
+
+def test_kv_takes_the_longest_cached_prefix_until_its_backend_is_over_its_share() -> None:
+    backends = pool(3)
+    policy = KvAware(load_factor=1.25)
+    cached = {"b1": 256, "b2": 512}
+    asked = dataclasses.replace(request(), cached=cached)
+    assert policy.choose(backends, asked) is backends[2]
+    backends[2].in_flight = 4  # over 1.25 x the average (5 in flight with this one, / 3)
+    assert policy.choose(backends, asked) is backends[1]  # the next longest prefix
+    backends[1].in_flight = 4
+    assert policy.choose(backends, asked) is backends[0]  # the warm ones are full: least
+    unknown = dataclasses.replace(request(), cached=None)
+    assert policy.choose(backends, unknown) is backends[0]

@@ -1,0 +1,91 @@
+"""``routing.policy = "kv"`` through the real proxy (in-memory upstream and index): a
+request goes to the backend that holds its prompt's prefix, as the index fed by vLLM's
+events says, unless that backend is over its share; what can't be known (no tokenizer,
+another route, a salted cache) goes to the least loaded."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.build import Parts
+from gateway.kv.events import decode
+from tests.fakes import FakeUpstream, Reply, always, call, completion
+from tests.gateway.kv.wire import encode, stored
+from tests.gateway.proxy.test_proxy import A, B, gateway
+
+PROMPT = [7] * 8 + [9] * 3  # two full blocks of 4, and a partial one
+BODY = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hello"}]}
+
+
+def tokenizer(tokens: list[int]) -> Any:
+    return always(Reply.json(200, {"count": len(tokens), "max_model_len": 1024,
+                                   "tokens": tokens}))
+
+
+def kv_gateway(upstream: FakeUpstream) -> Parts:
+    return gateway(upstream, routing={"sticky": False, "policy": "kv"})
+
+
+def holds(parts: Parts, backend: str, blocks: int) -> None:
+    """``backend`` said (in vLLM's words) it cached the first ``blocks`` of PROMPT."""
+    assert parts.serving is not None and parts.serving.feeds is not None
+    parts.serving.feeds.index.apply(backend, decode(encode([stored(
+        list(range(1, blocks + 1)), PROMPT[:4 * blocks])])))
+
+
+def served_by(parts: Parts, body: dict[str, Any] = BODY,
+              path: str = "/v1/chat/completions") -> str:
+    async def one() -> str:
+        answered = await call(parts.proxy, body, path=path)
+        assert answered.status == 200
+        return answered.headers["x-gateway-backend"]
+    return asyncio.run(asyncio.wait_for(one(), 10))
+
+
+def test_the_backend_holding_the_longest_prefix_takes_the_request() -> None:
+    upstream = FakeUpstream({A: always(completion("a")), B: always(completion("b"))},
+                            {A: tokenizer(PROMPT), B: tokenizer(PROMPT)})
+    parts = kv_gateway(upstream)
+    assert served_by(parts) == "a"  # nothing cached anywhere: the least loaded (a tie)
+    holds(parts, "a", 1)
+    holds(parts, "b", 2)
+    assert [served_by(parts) for _ in range(3)] == ["b"] * 3
+
+
+def test_what_the_tokenizer_is_asked_is_the_chat_as_vllm_renders_it() -> None:
+    asked: list[bytes] = []
+
+    async def tokenize(body: bytes) -> Reply:
+        asked.append(body)
+        return Reply.json(200, {"tokens": PROMPT})
+
+    upstream = FakeUpstream({A: always(completion()), B: always(completion())},
+                            {A: tokenize, B: tokenize})
+    parts = kv_gateway(upstream)
+    body = {**BODY, "add_generation_prompt": True, "chat_template_kwargs": {"x": 1},
+            "temperature": 0.5}
+    served_by(parts, body)
+    assert orjson.loads(asked[0]) == {"messages": BODY["messages"],
+                                      "add_generation_prompt": True,
+                                      "chat_template_kwargs": {"x": 1}}
+    served_by(parts, {"model": "m", "prompt": "once", "max_tokens": 1}, "/v1/completions")
+    assert orjson.loads(asked[1]) == {"prompt": "once", "add_special_tokens": True}
+
+
+@pytest.mark.parametrize("case", ["no tokenizer", "tokenizer error", "salted", "embeddings"])
+def test_what_cannot_be_known_goes_to_the_least_loaded(case: str) -> None:
+    tokenizers = {} if case == "no tokenizer" else {
+        A: always(Reply.json(500 if case == "tokenizer error" else 200, {"tokens": PROMPT})),
+        B: always(Reply.json(500 if case == "tokenizer error" else 200, {"tokens": PROMPT}))}
+    upstream = FakeUpstream({A: always(completion()), B: always(completion())}, tokenizers)
+    parts = kv_gateway(upstream)
+    holds(parts, "b", 2)
+    body: dict[str, Any] = {**BODY, "cache_salt": "s"} if case == "salted" else BODY
+    path = "/v1/chat/completions"
+    if case == "embeddings":
+        body, path = {"model": "m", "input": "hello"}, "/v1/embeddings"
+    assert served_by(parts, body, path) == "a"  # b holds the prefix, but nobody knows
