@@ -75,7 +75,8 @@ class GatewayApp:
             guarded = CORSMiddleware(
                 guarded, allow_origins=list(config.gateway.cors_origins), allow_methods=["*"],
                 allow_headers=["*"], max_age=600,
-                expose_headers=["x-request-id", "x-gateway-backend", "x-gateway-group"])
+                expose_headers=["x-request-id", "x-gateway-backend", "x-gateway-group",
+                                "x-gateway-cached-tokens"])
         self._guarded = guarded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

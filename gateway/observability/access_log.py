@@ -78,6 +78,8 @@ class RequestLog:
                 "duration_ms": round(duration * 1000, 2),
                 "chunks": record.chunks if request.stream else None,
                 "tokens": list(usage) if usage is not None else None,
+                "cached_predicted": (request.cached.get(name, 0)
+                                     if request.cached is not None else None),
                 "attempts": record.attempts, "note": record.note or None})
 
     def rejected(self, request_id: str, path: str, status: int, duration: float) -> None:

@@ -46,6 +46,9 @@ def _headers(resp: UpstreamResponse, backend: Backend, record: Record, stream: b
                                       stream, length)
     if record.fallback_of is not None:
         headers.append(FALLBACK)
+    cached = record.request.cached
+    if cached is not None:  # routing.policy = "kv": the prompt tokens it was said to hold
+        headers.append((b"x-gateway-cached-tokens", b"%d" % cached.get(backend.name, 0)))
     return headers
 
 

@@ -39,10 +39,13 @@ def holds(parts: Parts, backend: str, blocks: int) -> None:
 
 def served_by(parts: Parts, body: dict[str, Any] = BODY,
               path: str = "/v1/chat/completions") -> str:
+    """The backend that answered; with the tokens it was predicted to hold, when known."""
     async def one() -> str:
         answered = await call(parts.proxy, body, path=path)
         assert answered.status == 200
-        return answered.headers["x-gateway-backend"]
+        predicted = answered.headers.get("x-gateway-cached-tokens")
+        backend = answered.headers["x-gateway-backend"]
+        return backend if predicted is None else f"{backend}:{predicted}"
     return asyncio.run(asyncio.wait_for(one(), 10))
 
 
@@ -50,10 +53,10 @@ def test_the_backend_holding_the_longest_prefix_takes_the_request() -> None:
     upstream = FakeUpstream({A: always(completion("a")), B: always(completion("b"))},
                             {A: tokenizer(PROMPT), B: tokenizer(PROMPT)})
     parts = kv_gateway(upstream)
-    assert served_by(parts) == "a"  # nothing cached anywhere: the least loaded (a tie)
+    assert served_by(parts) == "a:0"  # nothing cached anywhere: the least loaded (a tie)
     holds(parts, "a", 1)
     holds(parts, "b", 2)
-    assert [served_by(parts) for _ in range(3)] == ["b"] * 3
+    assert [served_by(parts) for _ in range(3)] == ["b:8"] * 3  # two blocks of 4 tokens
 
 
 def test_what_the_tokenizer_is_asked_is_the_chat_as_vllm_renders_it() -> None:
@@ -68,7 +71,7 @@ def test_what_the_tokenizer_is_asked_is_the_chat_as_vllm_renders_it() -> None:
     parts = kv_gateway(upstream)
     body = {**BODY, "add_generation_prompt": True, "chat_template_kwargs": {"x": 1},
             "temperature": 0.5}
-    served_by(parts, body)
+    assert served_by(parts, body) == "a:0"
     assert orjson.loads(asked[0]) == {"messages": BODY["messages"],
                                       "add_generation_prompt": True,
                                       "chat_template_kwargs": {"x": 1}}
