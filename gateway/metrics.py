@@ -121,6 +121,15 @@ class Metrics:
         self.tokens = counter(
             "gateway_tokens_total", "Tokens vLLM reported (usage), by key name, model and kind "
             "(prompt, completion)", ("key", "model", "kind"))
+        self.kv_predicted = counter(
+            "gateway_kv_predicted_tokens_total", "routing.policy = kv: prompt tokens the "
+            "chosen backend was predicted to hold in its KV cache", ("backend",))
+        self.kv_cached = counter(
+            "gateway_kv_cached_tokens_total", "Prompt tokens vLLM said it found cached "
+            "(usage.prompt_tokens_details.cached_tokens), for predicted requests", ("backend",))
+        self.kv_predictions = counter(
+            "gateway_kv_predictions_total", "Predictions against vLLM's cached tokens: exact, "
+            "over (predicted more: evicted), under (predicted less)", ("backend", "result"))
         self.limit_rejections = counter(
             "gateway_limit_rejections_total", "Requests refused by a key's limit (rpm, tpm, "
             "concurrency, model) or because limits could not be checked (redis)",

@@ -78,6 +78,7 @@ class Record:
     attempts: int = 0  # backends asked (the access log's "attempts")
     outside_arm: bool = False  # its canary arm had no backend left: stable serves it
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
+    cached: int | None = None  # prompt tokens vLLM found cached (predicted requests only)
     admission: object = field(default=None, repr=False)  # what the key's limits lent it
     trace: object = field(default=None, repr=False)  # its spans, when tracing is on
     allowed: frozenset[str] | None = None  # the models its key may use (None: any)

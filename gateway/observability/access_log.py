@@ -64,6 +64,9 @@ class RequestLog:
         if usage is not None:
             child(m.tokens, record.tenant, model, "prompt").inc(usage[0])
             child(m.tokens, record.tenant, model, "completion").inc(usage[1])
+        predicted = request.cached.get(name, 0) if request.cached is not None else None
+        if predicted is not None and record.cached is not None:
+            self._predicted(name, predicted, record.cached)
         trace_id = None
         if self._tracing is not None:
             trace_id = self._tracing.done(record, status)
@@ -78,9 +81,16 @@ class RequestLog:
                 "duration_ms": round(duration * 1000, 2),
                 "chunks": record.chunks if request.stream else None,
                 "tokens": list(usage) if usage is not None else None,
-                "cached_predicted": (request.cached.get(name, 0)
-                                     if request.cached is not None else None),
+                "cached_predicted": predicted, "cached": record.cached,
                 "attempts": record.attempts, "note": record.note or None})
+
+    def _predicted(self, backend: str, predicted: int, cached: int) -> None:
+        """A prediction of the kv policy, against what vLLM said it found cached."""
+        m = self._m
+        m.kv_predicted.labels(backend).inc(predicted)
+        m.kv_cached.labels(backend).inc(cached)
+        result = "exact" if predicted == cached else "over" if predicted > cached else "under"
+        m.kv_predictions.labels(backend, result).inc()
 
     def rejected(self, request_id: str, path: str, status: int, duration: float) -> None:
         """A request refused before its body could be read as one (413, 408, 400)."""

@@ -24,7 +24,7 @@ from gateway.metrics import Metrics
 from gateway.resilience.breaker import Outcome, Ticket
 from gateway.resilience.replies import ReplyCache
 from gateway.routing.pool import BackendPool
-from gateway.tenants.usage import UsageStrip, usage_of
+from gateway.tenants.usage import UsageStrip, cached_of, usage_of
 from gateway.types import Record, Request, StreamCause
 from gateway.upstream import UpstreamBroken, UpstreamResponse
 
@@ -152,6 +152,8 @@ class Relay:
         if cause is None:
             # What a filter took out of the stream, else the tail the client got.
             record.usage = (rewrite.usage if rewrite is not None else None) or usage_of(tail)
+            if record.request.cached is not None:
+                record.cached = cached_of(tail)
             if parts is not None and (not cached or (
                     resumable and sum(map(len, parts)) > self._cache_max)):
                 parts = None  # kept to continue, not to cache
@@ -281,6 +283,8 @@ class Relay:
             await resp.aclose(reuse)
         body = rewrite.whole(parts[0] if len(parts) == 1 else b"".join(parts))
         record.usage = usage_of(body[-4096:])
+        if record.request.cached is not None:
+            record.cached = cached_of(body[-4096:])
         await send({
             "type": "http.response.start",
             "status": resp.status,

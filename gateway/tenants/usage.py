@@ -17,6 +17,7 @@ from gateway.http.rewrite import whole_events
 USAGE = b'"usage":{'
 _PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 STREAMED = ("/v1/chat/completions", "/v1/completions")
 _ASK = b',"stream_options":{"include_usage":true}}'
 _USAGE_CHUNK = b'"choices":[],"usage":{'  # vLLM's usage chunk (compact JSON)
@@ -32,6 +33,14 @@ def usage_of(tail: bytes) -> tuple[int, int] | None:
     if prompt is None:
         return None
     return int(prompt[1]), int(completion[1]) if completion is not None else 0
+
+
+def cached_of(tail: bytes) -> int | None:
+    """The prompt tokens vLLM found in its prefix cache (``usage.prompt_tokens_details.
+    cached_tokens``, with ``--enable-prompt-tokens-details``), or None."""
+    at = tail.rfind(USAGE)
+    found = _CACHED.search(tail, at, at + 1024) if at >= 0 else None
+    return int(found[1]) if found is not None else None
 
 
 def with_usage(path: str, payload: dict[str, object], body: bytes) -> bytes | None:
