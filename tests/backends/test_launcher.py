@@ -115,5 +115,5 @@ def test_the_kv_policy_turns_events_on_for_spawned_backends_only() -> None:
     from gateway.config import ConfigError
 
     bound = {"backends": [{"name": "u", "url": "http://h:8000", "kv_events": "tcp://*:5557"}]}
-    with pytest.raises(ConfigError, match="backends.0.kv_events: .*tcp://HOST:PORT"):
+    with pytest.raises(ConfigError, match=r"backends\.0\.kv_events: .*tcp://HOST:PORT"):
         parse(bound)

@@ -31,7 +31,19 @@ python = "{PYTHON}"
 args = ["--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager"]
 env = {{ {ENV}, VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
 startup_timeout = {STARTUP}
+kv_events = true
 """
+
+
+def kv_endpoints(url: str) -> tuple[str, str]:
+    """Where a spawned instance on ``url``'s port publishes its KV events (``kv_events =
+    true``: every instance these tests spawn), and answers replays."""
+    from backends.spec import SpawnSpec
+
+    port = int(url.rsplit(":", 1)[1])
+    endpoints = SpawnSpec(model="m", port=port, kv_events=True).kv_endpoints
+    assert endpoints is not None
+    return endpoints
 
 
 def status(gw: Gateway) -> dict[str, dict[str, Any]]:
