@@ -12,7 +12,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from gateway.kv.feed import Feed
+from gateway.kv.events import decode
+from gateway.kv.feed import Feed, Feeds
 from gateway.kv.index import Index, keys
 from tests.gateway.kv.wire import SIZE, TOKENS, Publisher, encode, recorded, stored
 
@@ -145,3 +146,20 @@ async def until(condition: Callable[[], bool], within: float,
         if meanwhile is not None:
             await meanwhile()
         await asyncio.sleep(0.01)
+
+
+def test_feeds_follow_the_backends_there_are() -> None:
+    """A reload that removes a backend (or moves its endpoints) stops its feed and forgets
+    its blocks; a new one gets a feed."""
+    async def test(context: zmq.asyncio.Context) -> None:
+        feeds = Feeds(Index())
+        feeds.align({"a": ("ipc:///nowhere/a", None), "b": ("ipc:///nowhere/b", None)})
+        assert sorted(feeds.feeds) == ["a", "b"]
+        feeds.index.apply("a", decode(recorded(0)))
+        feeds.align({"a": ("ipc:///nowhere/a2", None), "c": ("ipc:///nowhere/c", None)})
+        assert sorted(feeds.feeds) == ["a", "c"] and feeds.index.blocks("a") == 0
+        runner = asyncio.create_task(feeds.run(dict))  # nothing wanted: every feed stops
+        await until(lambda: not feeds.feeds, 5)
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+    run(test)
