@@ -13,14 +13,17 @@ that restarts, sleeps or resets its cache is dropped whole (``drop``).
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.kv.events import Batch, BlockHash, Cleared, Removed, Stored
 
 Key = bytes
 MAX_BLOCKS = 1 << 21  # per backend: beyond any real KV cache (2M blocks); more is a bad stream
+GUESS_FOR = 5.0  # seconds a dispatched prompt's blocks count before vLLM's events say so
+MAX_GUESSES = 1 << 18  # blocks guessed at once, over all backends; past it, all forgotten
 
 
 def root(lora: str | None = None) -> Key:
@@ -69,8 +72,12 @@ class _Held:
 
 
 class Index:
-    def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
+    def __init__(self, max_blocks: int = MAX_BLOCKS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._max = max_blocks
+        self._clock = clock
+        # Blocks of prompts just sent, not yet said stored: key -> backend -> until when.
+        self._guesses: dict[Key, dict[str, float]] = {}
         self._holders: dict[Key, set[str]] = {}
         self._held: dict[str, _Held] = {}
         self._sizes: dict[str, int] = {}  # each backend's block size, as its events say
@@ -93,8 +100,20 @@ class Index:
             elif isinstance(event, Cleared):
                 self.drop(backend)
 
+    def guess(self, backend: str, keys: Sequence[Key]) -> None:
+        """``backend`` was just sent a prompt with these blocks: count them as held for
+        ``GUESS_FOR`` seconds, so that a burst of one prefix goes to one place before the
+        events of the first request arrive."""
+        if len(self._guesses) + len(keys) > MAX_GUESSES:
+            self._guesses.clear()
+        until = self._clock() + GUESS_FOR
+        for key in keys:
+            self._guesses.setdefault(key, {})[backend] = until
+
     def drop(self, backend: str) -> None:
         """Forget every block ``backend`` held (restarted, asleep, cache reset, lost)."""
+        for guessed in self._guesses.values():
+            guessed.pop(backend, None)
         held = self._held.pop(backend, None)
         if held is None:
             return
@@ -105,8 +124,12 @@ class Index:
         """For each backend holding the first block: how many leading blocks it holds."""
         found: dict[str, int] = {}
         alive: set[str] | None = None
+        now = self._clock()
         for n, key in enumerate(keys, 1):
-            holders = self._holders.get(key)
+            holders = self._holders.get(key, set())
+            guessed = self._guesses.get(key)
+            if guessed:
+                holders = holders | {b for b, until in guessed.items() if until > now}
             if not holders:
                 break
             alive = set(holders) if alive is None else alive & holders

@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
 from backends.backend import Backend
 from gateway.http.headers import upstream_request_headers
-from gateway.kv.index import Index, keys
+from gateway.kv.index import Index, Key, keys
 from gateway.routing.pool import BackendPool
 from gateway.types import Request
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
 
 log = logging.getLogger("gateway.kv")
 
+Guess = Callable[[str], None]
 TOKENIZE_WITHIN = 0.5  # seconds; later, the request is routed by the estimate
 JSON = (b"content-type", b"application/json")
 # Fields of a chat request that vLLM's /tokenize takes as serving does (its chat template).
@@ -52,9 +53,11 @@ class CacheLookup:
         self.unknown = 0  # requests routed by the estimate: no tokens to match
         self.asked = 0
 
-    async def __call__(self, request: Request, group: str | None) -> dict[str, int] | None:
-        """Cached prompt tokens per candidate (absent: none), or None when they can't be
-        known for this request."""
+    async def __call__(self, request: Request,
+                       group: str | None) -> tuple[dict[str, int], Guess] | None:
+        """Cached prompt tokens per candidate (absent: none), and what to call with the
+        backend it goes to (its blocks are guessed there until the events say); None when
+        they can't be known for this request."""
         body = tokenize_body(request.path, request.payload)
         candidates = self._pool.candidates(request.model, group)
         if body is None or not candidates or "cache_salt" in request.payload:
@@ -66,11 +69,16 @@ class CacheLookup:
             self.unknown += 1
             return None
         cached: dict[str, int] = {}
+        blocks: dict[int, list[Key]] = {}
         for size in {self.index.size(b.name) for b in candidates} - {0}:
-            found = self.index.match(keys(tokens, size))
+            blocks[size] = keys(tokens, size)
+            found = self.index.match(blocks[size])
             cached.update({name: n * size for name, n in found.items()
                            if self.index.size(name) == size})
-        return cached
+
+        def sent(backend: str) -> None:
+            self.index.guess(backend, blocks.get(self.index.size(backend), ()))
+        return cached, sent
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:
         headers = upstream_request_headers([JSON], backend, rid, b"")

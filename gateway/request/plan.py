@@ -20,7 +20,7 @@ from gateway.errors import GatewayError, ResponseUnavailable, UpstreamTimeout
 from gateway.http.headers import header
 from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
-from gateway.request.cache import CacheLookup
+from gateway.request.cache import CacheLookup, Guess
 from gateway.request.lookup import Lookup
 from gateway.resilience.attempt import (
     Attempt,
@@ -71,6 +71,7 @@ class Plan:
     facts: Facts | None
     tried: list[Backend] = field(default_factory=list)
     excluded: int = 0  # the first ``excluded`` of ``tried`` were never to be tried
+    sent: Guess | None = None  # routing.policy = "kv": told where its prompt went
 
     @property
     def asked(self) -> list[Backend]:
@@ -109,8 +110,9 @@ class Planner:
                   if self._cache is not None and not sole else None)
         try:
             facts, only = await self._lookup(record, admission, proposed, sole)
-            if asking is not None:  # asked meanwhile: the longer of the two is waited for
-                record.request = replace(record.request, cached=await asking)
+            predicted = await asking if asking is not None else None  # asked meanwhile
+            if predicted is not None:
+                record.request = replace(record.request, cached=predicted[0])
         finally:
             if asking is not None and not asking.done():
                 asking.cancel()
@@ -124,7 +126,7 @@ class Planner:
             return Plan(record, facts, tried, len(tried))
         self._arms.settle(record, facts)
         self.mirror(record)
-        return Plan(record, facts)
+        return Plan(record, facts, sent=predicted[1] if predicted is not None else None)
 
     def _retrieval(self, record: Record, backend: Backend | None) -> None:
         """A retrieval or cancel of a stored response takes its model from the backend that
@@ -163,6 +165,8 @@ class Planner:
         if ticket is not None and not record.placed:
             record.placed = True
             self._queue.take(record.tenant)
+        if ticket is not None and plan.sent is not None:
+            plan.sent(ticket.backend.name)
         return ticket
 
     def attempt(self, ticket: Ticket, record: Record) -> Attempt:

@@ -130,3 +130,19 @@ def test_a_backend_past_the_block_cap_is_dropped_and_counted() -> None:
     assert index.blocks("a") == 3
     index.apply("a", decode(encode([stored([4, 5], list(range(20, 28)))])))
     assert index.blocks("a") == 0 and index.counts.overflows == 1
+
+
+def test_guessed_blocks_count_until_their_time_is_up_and_go_with_their_backend() -> None:
+    now = [100.0]
+    index = Index(clock=lambda: now[0])
+    prompt = keys(list(range(12)), 4)
+    index.guess("a", prompt[:2])
+    assert index.match(prompt) == {"a": 2}
+    index.apply("a", decode(encode([stored([1, 2, 3], list(range(12)))])))
+    assert index.match(prompt) == {"a": 3}
+    index.guess("b", prompt)
+    now[0] += 6  # past GUESS_FOR: only what the events said is left
+    assert index.match(prompt) == {"a": 3}
+    index.guess("b", prompt)
+    index.drop("b")
+    assert index.match(prompt) == {"a": 3}

@@ -92,3 +92,19 @@ def test_what_cannot_be_known_goes_to_the_least_loaded(case: str) -> None:
     if case == "embeddings":
         body, path = {"model": "m", "input": "hello"}, "/v1/embeddings"
     assert served_by(parts, body, path) == "a"  # b holds the prefix, but nobody knows
+
+
+def test_a_prompt_just_sent_draws_the_next_ones_before_its_events_come() -> None:
+    """Nothing cached yet, and vLLM's events are slower than the next requests: the blocks
+    of a prompt just dispatched count where it went (for a few seconds), so a burst of one
+    prefix goes to one place instead of being spread by load."""
+    upstream = FakeUpstream({A: always(completion("a")), B: always(completion("b"))},
+                            {A: tokenizer(PROMPT), B: tokenizer(PROMPT)})
+    parts = kv_gateway(upstream)
+    assert parts.serving is not None and parts.serving.feeds is not None
+    index = parts.serving.feeds.index
+    for backend in ("a", "b"):  # their block size is known (4): each has sent an event
+        index.apply(backend, decode(encode([stored([99], [1, 2, 3, 4])])))
+    assert [served_by(parts) for _ in range(3)] == ["a:0", "a:8", "a:8"]
+    other = kv_gateway(FakeUpstream({A: always(completion()), B: always(completion())}))
+    assert [served_by(other) for _ in range(2)] == ["a", "b"]  # by load alone: spread
