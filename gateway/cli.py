@@ -99,6 +99,11 @@ def _control_plane(config: Config, path: str, text: str | None) -> Plane:
 def _check(args: argparse.Namespace) -> int:
     config, _ = _load_or_exit(args.config)
     print(f"{args.config}: OK ({len(config.backends)} backends)")
+    if config.routing.policy == "kv":  # which backends the kv policy sees exactly
+        for spec in config.backends:
+            how = ("exact: its KV events" if spec.kv_endpoints is not None else
+                   "estimated: no KV events (kv_events), routed by load")
+            print(f"  {spec.name}: {how}")
     return 0
 
 

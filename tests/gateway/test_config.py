@@ -221,3 +221,19 @@ def test_key_limits_alone_use_redis() -> None:
     assert not parse(bare).uses_redis
     limited = parse({**bare, "keys": [{"name": "k", "key": "sk-" + "x" * 20, "rpm": 5}]})
     assert limited.uses_redis
+
+
+def test_check_says_which_backends_the_kv_policy_sees_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[routing]\npolicy = "kv"\n'
+                    '[[backends]]\nname = "s"\n[backends.spawn]\nmodel = "m"\nport = 8101\n'
+                    '[[backends]]\nname = "u"\nurl = "http://h:8000"\n'
+                    '[[backends]]\nname = "e"\nurl = "http://h:8001"\n'
+                    'kv_events = "tcp://h:5557"\n')
+    done = subprocess.run([sys.executable, "-m", "gateway", "check", "--config", str(path)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"{path}: OK (3 backends)", "  s: exact: its KV events",
+        "  u: estimated: no KV events (kv_events), routed by load",
+        "  e: exact: its KV events"]
