@@ -209,7 +209,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
         supervisors.update({b.name: supervise(b) for b in pool.backends if b.managed})
     control = _control_link(role, pool, metrics, serving)
     status = Status(pool, breakers, canary, supervisors, metrics,
-                    own=_own_counts(serving),
+                    own=_own_counts(serving), kv=serving.feeds if serving else None,
                     replica=(lambda: control.replica) if control is not None else None)
     reloadable = Reloadable(pool, breakers, canary, supervisors,
                             supervise if control is None else None,

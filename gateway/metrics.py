@@ -121,6 +121,16 @@ class Metrics:
         self.tokens = counter(
             "gateway_tokens_total", "Tokens vLLM reported (usage), by key name, model and kind "
             "(prompt, completion)", ("key", "model", "kind"))
+        self.kv_blocks = gauge(
+            "gateway_kv_blocks", "routing.policy = kv: blocks each backend holds in its KV "
+            "cache, as its events say", ("backend",))
+        self.kv_feed = gauge(
+            "gateway_kv_feed", "Each backend's KV event feed since start: batches applied, bad "
+            "(passed over), gaps, replayed (batches a replay filled in), resets (its blocks "
+            "dropped: a restart, or a gap no replay filled)", ("backend", "what"))
+        self.kv_event_age = gauge(
+            "gateway_kv_event_age_seconds", "Seconds since each backend's last KV event batch "
+            "(-1: none yet)", ("backend",))
         self.kv_predicted = counter(
             "gateway_kv_predicted_tokens_total", "routing.policy = kv: prompt tokens the "
             "chosen backend was predicted to hold in its KV cache", ("backend",))

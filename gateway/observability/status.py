@@ -10,6 +10,7 @@ from typing import Any
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
 from gateway.canary.rollout import Canary
+from gateway.kv.feed import Feeds
 from gateway.metrics import Metrics
 from gateway.observability.trends import Trends, reader
 from gateway.resilience.breaker import STATE_VALUE, Breakers
@@ -22,7 +23,8 @@ class Status:
     def __init__(self, pool: BackendPool, breakers: Breakers, canary: Canary,
                  supervisors: Mapping[str, Supervisor], metrics: Metrics,
                  own: Callable[[], Mapping[str, Any]], trends: Trends | None = None,
-                 replica: Callable[[], Mapping[str, Any]] | None = None) -> None:
+                 replica: Callable[[], Mapping[str, Any]] | None = None,
+                 kv: Feeds | None = None) -> None:
         """``own``: this process's sessions pinned per backend (``pins``) and its recent
         degraded replies (``degraded``). ``replica``: in a serving worker, what only the
         whole replica tells (requests in flight and sessions pinned per backend, summed over
@@ -33,6 +35,7 @@ class Status:
         self._breakers = breakers
         self._canary = canary
         self._own = own
+        self._kv = kv  # routing.policy = "kv": the backends' KV event feeds
         self._supervisors = supervisors
         self._m = metrics
         self.trends = trends or Trends(reader(metrics))
@@ -48,6 +51,18 @@ class Status:
             for state in STATES:
                 m.backend_state.labels(b.name, state).set(1 if b.state.value == state else 0)
             self.loaded(b)  # a worker's load comes with the snapshot, not from a scrape
+        if self._kv is not None:
+            self._feeds(self._kv)
+
+    def _feeds(self, kv: Feeds) -> None:
+        m, now = self._m, time.monotonic()
+        for name, feed in kv.feeds.items():
+            counts = feed.counts
+            m.kv_blocks.labels(name).set(kv.index.blocks(name))
+            for what in ("batches", "bad", "gaps", "replayed", "resets"):
+                m.kv_feed.labels(name, what).set(getattr(counts, what))
+            last = counts.last_event
+            m.kv_event_age.labels(name).set(now - last if last is not None else -1)
 
     def loaded(self, backend: Backend) -> None:
         """A backend's scraped load and GPU readings, re-exported."""

@@ -14,7 +14,7 @@ import pytest
 from gateway.build import Parts
 from gateway.kv.events import decode
 from tests.fakes import FakeUpstream, Reply, always, call, completion
-from tests.gateway.kv.wire import encode, stored
+from tests.gateway.kv.wire import encode, recorded, stored
 from tests.gateway.proxy.test_proxy import A, B, gateway
 
 PROMPT = [7] * 8 + [9] * 3  # two full blocks of 4, and a partial one
@@ -108,3 +108,26 @@ def test_a_prompt_just_sent_draws_the_next_ones_before_its_events_come() -> None
     assert [served_by(parts) for _ in range(3)] == ["a:0", "a:8", "a:8"]
     other = kv_gateway(FakeUpstream({A: always(completion()), B: always(completion())}))
     assert [served_by(other) for _ in range(2)] == ["a", "b"]  # by load alone: spread
+
+
+def test_each_feed_is_shown_in_the_metrics() -> None:
+    parts = kv_gateway(FakeUpstream())
+    assert parts.serving is not None and parts.serving.feeds is not None
+    feeds = parts.serving.feeds
+
+    async def fed() -> None:
+        feeds.align({"a": ("ipc:///nowhere/a", None), "b": ("ipc:///nowhere/b", None)})
+        await feeds.feeds["a"].receive([b"kv", bytes(8), recorded(0)])
+        await feeds.feeds["a"].receive([b"kv", (3).to_bytes(8, "big"), recorded(4)])  # a gap
+        parts.status.refresh()
+        feeds.align({})
+    asyncio.run(fed())
+
+    def value(name: str, **labels: str) -> float | None:
+        return parts.metrics.registry.get_sample_value(name, labels)
+    assert value("gateway_kv_blocks", backend="a") == 2  # the 6 went with the reset
+    assert value("gateway_kv_feed", backend="a", what="gaps") == 1
+    assert value("gateway_kv_feed", backend="a", what="resets") == 1  # no replay endpoint
+    assert value("gateway_kv_feed", backend="a", what="batches") == 2
+    assert value("gateway_kv_event_age_seconds", backend="b") == -1
+    assert (value("gateway_kv_event_age_seconds", backend="a") or -1) >= 0
