@@ -31,7 +31,7 @@ def gateway(gw: Gateway, tmp: Path, policy: str) -> Gateway:
         backends += (f'[[backends]]\nname = "{name}"\nurl = "{backend["url"]}"\n'
                      f'kv_events = "{events}"\nkv_replay = "{replay}"\n')
     front = Gateway(tmp, f'[routing]\npolicy = "{policy}"\n[health]\ninterval = 0.5\n'
-                    + backends, name=f"kv-{policy}")
+                    + backends, name=f"kv-{policy}", workers=None)  # the default: a worker per core
     wait_for(lambda: http_ok(front.url + "/readyz"), 30, f"{policy} gateway ready")
     return front
 
