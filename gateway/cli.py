@@ -135,6 +135,8 @@ def _sim(args: argparse.Namespace) -> int:
         stall=args.stall,
         seed=args.seed,
         capacity=args.capacity,
+        kv_events=args.kv_events, kv_replay=args.kv_replay, kv_block=args.kv_block,
+        kv_blocks=args.kv_blocks, kv_drop=args.kv_drop, token_details=args.token_details,
     )
     logs.setup(args.log_level, SimulatedCrash, fmt="text")
     uvicorn.run(
@@ -241,6 +243,16 @@ def _sim_command(sub: Subparsers) -> None:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--capacity", type=int, default=0,
                      help="requests generated at once; more wait in its queue (0 = no limit)")
+    sim.add_argument("--kv-events", default="", help="ZMQ endpoint to publish vLLM's KV "
+                     "events on (bound), e.g. ipc:///tmp/sim.pub; off by default")
+    sim.add_argument("--kv-replay", default="", help="ZMQ endpoint answering replays")
+    sim.add_argument("--kv-block", type=int, default=16, help="prefix-cache block, tokens")
+    sim.add_argument("--kv-blocks", type=int, default=200_000, help="blocks the cache holds")
+    sim.add_argument("--kv-drop", type=int, default=0,
+                     help="lose every Nth event batch on the way (kept for replays)")
+    sim.add_argument("--token-details", action="store_true",
+                     help="cached tokens in each reply's usage (vLLM's "
+                          "--enable-prompt-tokens-details)")
     sim.add_argument("--log-level", default="warning")
     sim.set_defaults(func=_sim)
 

@@ -12,6 +12,7 @@ import orjson
 from backends.asgi import Receive, Scope, Send, cancel_on_disconnect, read_body
 from backends.sim import more, replies, validate
 from backends.sim.bodies import Completion, first_token, prompt_bytes
+from backends.sim.kvpub import KvPublisher
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import PrefixCache
 from backends.sim.replies import error_body
@@ -53,7 +54,10 @@ class SimApp:
     def __init__(self, options: SimOptions) -> None:
         self.options = self._base = options
         self.stats = SimStats()
-        self.prefix = PrefixCache()
+        self._kv = (KvPublisher(options.kv_events, options.kv_replay, options.kv_drop)
+                    if options.kv_events else None)
+        self.prefix = PrefixCache(options.kv_blocks, options.kv_block,
+                                  self._kv.publish if self._kv is not None else None)
         self._random = random.Random(options.seed)
         self.stored: dict[str, dict[str, Any]] = {}  # the Responses API's store (in memory)
         self._slots = asyncio.Semaphore(options.capacity) if options.capacity else None
@@ -77,7 +81,7 @@ class SimApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await _lifespan(receive, send, self._kv)
             return
         route = self._routes.get(path := scope["path"])
         if path in self.stats.polled:
@@ -188,13 +192,14 @@ class SimApp:
         body, opts = prepared
         prompt = prompt_bytes(scope["path"], body)
         if opts.max_prompt_len and len(prompt) > opts.max_prompt_len:
-            await respond(send, 400, _too_long(opts.max_prompt_len, len(prompt)))
+            await respond(send, 400, replies.too_long(opts.max_prompt_len, len(prompt)))
             return
-        self.prefix.observe(prompt)
+        cached = self.prefix.observe(prompt)
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or opts.tokens
         completion = Completion(chat=scope["path"] == validate.CHAT, model=str(body["model"]),
                                 prompt_tokens=len(prompt), n_tokens=int(n_tokens),
-                                first=first_token(body))
+                                first=first_token(body),
+                                cached=cached if opts.token_details else None)
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         watcher = cancel_on_disconnect(receive)
         try:
@@ -282,7 +287,7 @@ class SimApp:
         if prepared is None:
             return
         body, opts = prepared
-        reply = replies.embeddings_body(str(body["model"]), _inputs(body.get("input", "")),
+        reply = replies.embeddings_body(str(body["model"]), replies.inputs(body.get("input", "")),
                                         body.get("encoding_format", "float"),
                                         str(body.get("endianness", "native")))
         await self._whole(send, reply, opts)
@@ -370,28 +375,15 @@ class SimApp:
         await self._whole(send, reply, opts)
 
 
-def _inputs(value: object) -> list[str]:
-    """One text per embedding: a string, a list of strings, or token ids (one list a prompt)."""
-    if isinstance(value, list):
-        if value and all(isinstance(v, int) for v in value):
-            return [orjson.dumps(value).decode()]
-        return [v if isinstance(v, str) else orjson.dumps(v).decode() for v in value]
-    return [str(value)]
-
-
-def _too_long(limit: int, tokens: int) -> bytes:
-    message = (f"This model's maximum context length is {limit} tokens. However, your prompt "
-               f"contains at least {limit + 1} input tokens, which exceeds this limit even "
-               f"without any output tokens. Please reduce the length of the input prompt. "
-               f"(parameter=input_tokens, value={tokens})")
-    return error_body(400, message, "BadRequestError", "input_tokens")
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
+async def _lifespan(receive: Receive, send: Send, kv: KvPublisher | None) -> None:
     while True:
         message = await receive()
         if message["type"] == "lifespan.startup":
+            if kv is not None:
+                kv.start()
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":
+            if kv is not None:
+                await kv.stop()
             await send({"type": "lifespan.shutdown.complete"})
             return

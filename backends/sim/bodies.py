@@ -57,8 +57,11 @@ class Completion:
     """One completion's chunks and final body; ``chat`` picks the wire shape."""
 
     def __init__(self, chat: bool, model: str, prompt_tokens: int, n_tokens: int,
-                 first: int = 0) -> None:
+                 first: int = 0, cached: tuple[int, int] | None = None) -> None:
         self.first = first  # the first token's number (a continuation starts later)
+        # With --token-details (vLLM's --enable-prompt-tokens-details): the prompt tokens
+        # found in the prefix cache, and those this prompt added to it.
+        self.cached = cached
         self.chat = chat
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -104,12 +107,24 @@ class Completion:
     def usage_chunk(self) -> bytes:
         return self._event([], usage=self.usage(), system_fingerprint=fingerprint(self.model))
 
-    def usage(self) -> dict[str, int]:
-        return {
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + self.n_tokens,
             "completion_tokens": self.n_tokens,
         }
+        if self.cached is not None:
+            usage["prompt_tokens_details"] = self.details()
+        return usage
+
+    def details(self) -> dict[str, Any] | None:
+        """``prompt_tokens_details`` as vLLM 0.32 fills it (chat_completion/serving.py
+        ``_make_prompt_tokens_details``; completions set ``cached_tokens`` alone)."""
+        if self.cached is None:
+            return None
+        return {"cached_tokens": self.cached[0],
+                "created_cache_tokens": self.cached[1] if self.chat else None,
+                "multimodal_tokens": None}
 
     def whole(self) -> bytes:
         text = "".join(token_text(self.first + i) for i in range(self.n_tokens))
@@ -124,7 +139,8 @@ class Completion:
             choice |= {"text": text, "logprobs": None, "finish_reason": "length",
                        "stop_reason": None, "token_ids": None, "prompt_logprobs": None,
                        "prompt_token_ids": None, "routed_experts": None}
-        usage = {**self.usage(), "prompt_tokens_details": None, "completion_tokens_details": None}
+        usage = {**self.usage(), "prompt_tokens_details": self.details(),
+                 "completion_tokens_details": None}
         body: dict[str, Any] = {
             "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created, "model": self.model, "choices": [choice],

@@ -37,6 +37,16 @@ class SimOptions:
     # Requests generating at once (vLLM's --max-num-seqs); the others wait in the
     # simulator's own FIFO queue, as in vLLM's scheduler. 0 = no limit.
     capacity: int = 0
+    # vLLM's KV-cache events (--kv-events-config): the endpoints the PUB and the replay
+    # ROUTER bind ("": none), the block size and how many blocks the cache holds, and every
+    # how many batches one is lost (kept for replays). --token-details: vLLM's
+    # --enable-prompt-tokens-details (cached tokens in each reply's usage).
+    kv_events: str = ""
+    kv_replay: str = ""
+    kv_block: int = 16
+    kv_blocks: int = 200_000
+    kv_drop: int = 0
+    token_details: bool = False
 
     @classmethod
     def parse_model(cls, spec: str) -> tuple[str, str]:

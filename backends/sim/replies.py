@@ -114,3 +114,20 @@ def detokenize_body(tokens: list[int]) -> bytes:
 
 def version_body() -> bytes:
     return orjson.dumps({"version": VLLM_VERSION})
+
+
+def inputs(value: object) -> list[str]:
+    """One text per embedding: a string, a list of strings, or token ids (one list a prompt)."""
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return [orjson.dumps(value).decode()]
+        return [v if isinstance(v, str) else orjson.dumps(v).decode() for v in value]
+    return [str(value)]
+
+
+def too_long(limit: int, tokens: int) -> bytes:
+    message = (f"This model's maximum context length is {limit} tokens. However, your prompt "
+               f"contains at least {limit + 1} input tokens, which exceeds this limit even "
+               f"without any output tokens. Please reduce the length of the input prompt. "
+               f"(parameter=input_tokens, value={tokens})")
+    return error_body(400, message, "BadRequestError", "input_tokens")

@@ -3,20 +3,25 @@ from __future__ import annotations
 import base64
 import struct
 
+import msgspec
 import pytest
 
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import BLOCK, PrefixCache
 from backends.sim.replies import DIMENSIONS, embedding_vector, encode_vector, unknown_model
 from backends.sim.validate import CHAT, EMBEDDINGS, Rejected, check_model, parse
+from gateway.kv.events import Removed, Stored, decode
+from tests.gateway.kv.wire import RECORDED, recorded
+
+RECORDED_STORED = msgspec.msgpack.decode(recorded(RECORDED[0]["seq"]))[1][0]
 
 
 def test_prefix_cache_counts_shared_prefixes_in_blocks() -> None:
     cache = PrefixCache()
     history = b"s" * (BLOCK * 4)
-    assert cache.observe(history) == 0
-    assert cache.observe(history + b"t" * BLOCK) == BLOCK * 4
-    assert cache.observe(b"x" + history) == 0  # a prefix must match from the start
+    assert cache.observe(history) == (0, BLOCK * 4)  # none hit, four blocks added
+    assert cache.observe(history + b"t" * BLOCK) == (BLOCK * 4, BLOCK)
+    assert cache.observe(b"x" + history)[0] == 0  # a prefix must match from the start
     assert cache.queries == 3 * BLOCK * 4 + BLOCK + 1
     assert cache.hits == BLOCK * 4
 
@@ -61,3 +66,23 @@ def test_base64_is_little_endian_float32_unless_asked_big() -> None:
     assert list(struct.unpack(f"<{DIMENSIONS}f", little)) == vector
     assert list(struct.unpack(f">{DIMENSIONS}f", big)) == vector
     assert encode_vector(vector, "float", "native") is vector
+
+
+def test_the_prefix_cache_tells_what_it_stores_and_evicts_as_vllm_does() -> None:
+    """Its events decode with the gateway's decoder of vLLM 0.32's (the same fields, in
+    vLLM's order), chain by parent, and evict the least recently used past capacity."""
+    sent: list[list[dict[str, object]]] = []
+    cache = PrefixCache(capacity_blocks=3, block=4, publish=sent.append)
+    cache.observe(b"abcdefgh")  # two blocks
+    cache.observe(b"abcdefghij")  # both hit: nothing new, nothing sent
+    cache.observe(b"abcdefghijkl")  # one more, chained to the second
+    assert len(sent) == 2
+    first, second = (decode(msgspec.msgpack.encode([1.0, e, 0])).events[0] for e in sent)
+    assert isinstance(first, Stored) and isinstance(second, Stored)
+    assert first.parent is None and first.tokens == tuple(b"abcdefgh") and first.size == 4
+    assert second.parent == first.hashes[-1] and second.tokens == tuple(b"ijkl")
+    assert list(sent[0][0]) == list(RECORDED_STORED)  # vLLM's fields, in vLLM's order
+    cache.observe(b"zzzz")  # a fourth block: the least recently used goes
+    removed = decode(msgspec.msgpack.encode([1.0, sent[-1], 0])).events
+    assert [type(e).__name__ for e in removed] == ["Stored", "Removed"]
+    assert removed[1] == Removed((first.hashes[0],), "GPU")
