@@ -161,6 +161,7 @@ class Index:
                 self._unref(held, old, backend)
             held.by_hash[block] = key
             held.refs[key] = held.refs.get(key, 0) + 1
+            self._unguess(key, backend)  # known now: the events speak for it
             self._holders.setdefault(key, set()).add(backend)
             self.counts.stored += 1
         if len(held.by_hash) > self._max:
@@ -175,7 +176,13 @@ class Index:
             key = held.by_hash.pop(block, None)
             if key is not None:
                 self._unref(held, key, backend)
+                self._unguess(key, backend)  # evicted: a guess of it would outlive it
                 self.counts.removed += 1
+
+    def _unguess(self, key: Key, backend: str) -> None:
+        guessed = self._guesses.get(key)
+        if guessed is not None and guessed.pop(backend, None) is not None and not guessed:
+            del self._guesses[key]
 
     def _unref(self, held: _Held, key: Key, backend: str) -> None:
         left = held.refs[key] - 1

@@ -1,0 +1,134 @@
+"""``routing.policy = "kv"`` end to end with simulators that keep a prefix cache and publish
+it as vLLM 0.32's KV events (``--kv-events``, replays on ``--kv-replay``), and report the
+cached tokens of each reply (``--token-details``): the gateway (a worker per core, as
+shipped) routes by what each one holds and predicts vLLM's ``cached_tokens``, through
+evictions and lost batches. Real vLLM: tests/integration/test_real_vllm_kv.py."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.helpers import Gateway, Sim, http_ok, metric, wait_for
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def sockets() -> Iterator[Path]:
+    """A short directory for the unix sockets (a socket path is limited to 108 bytes)."""
+    where = Path(tempfile.mkdtemp(prefix="kv-"))
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def sims(tmp: Path, sockets: Path, tag: str, n: int, *options: str) -> list[Sim]:
+    return [Sim(tmp, f"{tag}{i}", "--kv-events", f"ipc://{sockets}/{tag}{i}.pub",
+                "--kv-replay", f"ipc://{sockets}/{tag}{i}.replay", "--token-details",
+                "--kv-block", str(BLOCK), *options) for i in range(n)]
+
+
+def gateway(tmp: Path, sockets: Path, tag: str, group: list[Sim], policy: str = "kv",
+            replay: bool = True) -> Gateway:
+    backends = "".join(
+        f'[[backends]]\nname = "{tag}{i}"\nurl = "{sim.url}"\n'
+        f'kv_events = "ipc://{sockets}/{tag}{i}.pub"\n'
+        + (f'kv_replay = "ipc://{sockets}/{tag}{i}.replay"\n' if replay else "")
+        for i, sim in enumerate(group))
+    gw = Gateway(tmp, f'[routing]\npolicy = "{policy}"\n[health]\ninterval = 0.3\n' + backends,
+                 name=f"kv-{tag}-{policy}", workers=None)
+    wait_for(lambda: http_ok(gw.url + "/readyz"), 20, "gateway ready")
+    return gw
+
+
+def document(k: int) -> str:
+    return f"Document {k}: " + " ".join(f"line {i} of document {k} is here." for i in range(12))
+
+
+def ask(gw: Gateway, documents: int, rounds: int, first: int = 0) -> list[dict[str, Any]]:
+    """Each document asked ``rounds`` times, round by round, no session key: what came back
+    after the first round (the backend, the prediction, vLLM's figure)."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    out = []
+    for r in range(rounds):
+        for k in range(first, first + documents):
+            raw = client.chat.completions.with_raw_response.create(
+                model="sim-model", max_tokens=1,
+                messages=[{"role": "system", "content": document(k)},
+                          {"role": "user", "content": f"Question {r}?"}])
+            usage = raw.parse().usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            if r:
+                out.append({"backend": raw.headers["x-gateway-backend"],
+                            "predicted": int(raw.headers.get("x-gateway-cached-tokens", -1)),
+                            "cached": usage.prompt_tokens_details.cached_tokens})
+    return out
+
+
+def exact(results: list[dict[str, Any]]) -> int:
+    return sum(r["predicted"] == r["cached"] for r in results)
+
+
+def test_prompts_go_where_their_prefix_is_cached_and_the_prediction_holds(
+        tmp_path: Path, sockets: Path) -> None:
+    group = sims(tmp_path, sockets, "a", 3)
+    kv = gateway(tmp_path, sockets, "a", group)
+    try:
+        results = ask(kv, 7, 3)
+        assert all(r["cached"] >= 8 * BLOCK for r in results)  # each found its document
+        assert exact(results) == len(results)
+        rr = gateway(tmp_path, sockets, "a", group, policy="round_robin")
+        try:  # other documents: 7 of them over 3 backends, each round elsewhere
+            spread = ask(rr, 7, 3, first=100)
+        finally:
+            rr.stop()
+        assert sum(r["cached"] >= 8 * BLOCK for r in spread) < len(spread)
+    finally:
+        kv.stop()
+        for sim in group:
+            sim.stop()
+
+
+def test_evicted_blocks_are_not_predicted(tmp_path: Path, sockets: Path) -> None:
+    """Caches of 40 blocks, 10 documents of about 25 blocks: each new document evicts older
+    ones. The index follows vLLM's BlockRemoved, so no prediction counts blocks that are gone."""
+    group = sims(tmp_path, sockets, "e", 2, "--kv-blocks", "40")
+    kv = gateway(tmp_path, sockets, "e", group)
+    try:
+        results = ask(kv, 10, 2)
+        assert exact(results) == len(results)
+        assert sum(r["cached"] for r in results) < sum(len(document(k)) for k in range(10))
+        assert metric(kv.url, "gateway_kv_predictions_total", result="over") == 0
+    finally:
+        kv.stop()
+        for sim in group:
+            sim.stop()
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replayed", "no-replay"])
+def test_lost_batches_are_replayed_or_their_backend_forgotten(
+        tmp_path: Path, sockets: Path, replay: bool) -> None:
+    """Every third batch lost on the way: with the replay endpoint the gap is filled and
+    the predictions stay exact; without it the backend's blocks are dropped (a prediction
+    may then say less than vLLM finds, never more)."""
+    tag = "r" if replay else "n"
+    group = sims(tmp_path, sockets, tag, 2, "--kv-drop", "3")
+    kv = gateway(tmp_path, sockets, tag, group, replay=replay)
+    try:
+        results = ask(kv, 9, 3)
+        assert all(r["predicted"] <= r["cached"] for r in results)
+        what = "replayed" if replay else "resets"
+        assert max(metric(kv.url, "gateway_kv_feed", backend=f"{tag}{i}", what=what)
+                   for i in range(2)) >= 1
+        if replay:
+            assert exact(results) == len(results)
+    finally:
+        kv.stop()
+        for sim in group:
+            sim.stop()
