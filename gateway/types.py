@@ -79,11 +79,21 @@ class Record:
     outside_arm: bool = False  # its canary arm had no backend left: stable serves it
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens, as vLLM counted
     cached: int | None = None  # prompt tokens vLLM found cached (predicted requests only)
+    prediction: CachePrediction | None = field(default=None, repr=False)  # policy "kv"
     admission: object = field(default=None, repr=False)  # what the key's limits lent it
     trace: object = field(default=None, repr=False)  # its spans, when tracing is on
     allowed: frozenset[str] | None = None  # the models its key may use (None: any)
     fallback_of: str | None = None  # the model it asked for, when a fallback answers it
     session: Facts | None = field(default=None, repr=False)  # its session, as Redis said
+
+
+class CachePrediction(Protocol):
+    """What the KV index predicted of a request's prompt (``gateway.request.cache``), told
+    where the request went and what vLLM found cached there."""
+
+    def sent(self, backend: str) -> None: ...
+
+    def found(self, backend: str, tokens: int) -> None: ...
 
 
 class Policy(Protocol):

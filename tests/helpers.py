@@ -76,8 +76,8 @@ class Proc:
 
 
 class Sim:
-    def __init__(self, tmp: Path, name: str, *options: str) -> None:
-        self.port = free_port()
+    def __init__(self, tmp: Path, name: str, *options: str, port: int | None = None) -> None:
+        self.port = port or free_port()  # a port of its own; a given one: a restart
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = Proc(["sim", "--port", str(self.port), *options], tmp / f"sim-{name}.log")
         wait_for(lambda: http_ok(self.url + "/health"), 20, f"simulator {name}")

@@ -78,6 +78,9 @@ class Index:
         self._clock = clock
         # Blocks of prompts just sent, not yet said stored: key -> backend -> until when.
         self._guesses: dict[Key, dict[str, float]] = {}
+        # Blocks vLLM did not find where the index said they were (an event lost, a
+        # restart not yet told): key -> backends, until the events store them again.
+        self._stale: dict[Key, set[str]] = {}
         self._holders: dict[Key, set[str]] = {}
         self._held: dict[str, _Held] = {}
         self._sizes: dict[str, int] = {}  # each backend's block size, as its events say
@@ -110,10 +113,22 @@ class Index:
         for key in keys:
             self._guesses.setdefault(key, {})[backend] = until
 
+    def found(self, backend: str, keys: Sequence[Key], blocks: int) -> None:
+        """vLLM found only the first ``blocks`` of a prompt's ``keys`` on ``backend``: the
+        rest are not there, whatever the index believed."""
+        if len(self._stale) + len(keys) > MAX_GUESSES:
+            self._stale.clear()
+        for key in keys[blocks:]:
+            self._unguess(key, backend)
+            if backend in self._holders.get(key, ()):
+                self._stale.setdefault(key, set()).add(backend)
+
     def drop(self, backend: str) -> None:
         """Forget every block ``backend`` held (restarted, asleep, cache reset, lost)."""
         for guessed in self._guesses.values():
             guessed.pop(backend, None)
+        for stale in self._stale.values():
+            stale.discard(backend)
         held = self._held.pop(backend, None)
         if held is None:
             return
@@ -130,6 +145,9 @@ class Index:
             guessed = self._guesses.get(key)
             if guessed:
                 holders = holders | {b for b, until in guessed.items() if until > now}
+            stale = self._stale.get(key)
+            if stale:
+                holders = holders - stale
             if not holders:
                 break
             alive = set(holders) if alive is None else alive & holders
@@ -162,6 +180,9 @@ class Index:
             held.by_hash[block] = key
             held.refs[key] = held.refs.get(key, 0) + 1
             self._unguess(key, backend)  # known now: the events speak for it
+            stale = self._stale.get(key)
+            if stale is not None:
+                stale.discard(backend)
             self._holders.setdefault(key, set()).add(backend)
             self.counts.stored += 1
         if len(held.by_hash) > self._max:

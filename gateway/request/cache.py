@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -26,7 +27,6 @@ from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
 
 log = logging.getLogger("gateway.kv")
 
-Guess = Callable[[str], None]
 TOKENIZE_WITHIN = 0.5  # seconds; later, the request is routed by the estimate
 JSON = (b"content-type", b"application/json")
 # Fields of a chat request that vLLM's /tokenize takes as serving does (its chat template).
@@ -45,6 +45,28 @@ def tokenize_body(path: str, payload: Mapping[str, Any]) -> bytes | None:
     return None
 
 
+@dataclass
+class Prediction:
+    """What the index said of one request's prompt: cached tokens per candidate (absent:
+    none). Told where the request went (its blocks are guessed there until the events say)
+    and what vLLM then found there (what it did not find is not there)."""
+
+    index: Index
+    cached: dict[str, int] = field(default_factory=dict)
+    blocks: dict[int, list[Key]] = field(default_factory=dict)  # by block size
+
+    def sent(self, backend: str) -> None:
+        self.index.guess(backend, self._of(backend))
+
+    def found(self, backend: str, tokens: int) -> None:
+        size = self.index.size(backend)
+        if size and tokens < self.cached.get(backend, 0):
+            self.index.found(backend, self._of(backend), tokens // size)
+
+    def _of(self, backend: str) -> list[Key]:
+        return self.blocks.get(self.index.size(backend), [])
+
+
 class CacheLookup:
     def __init__(self, index: Index, upstream: Upstream, pool: BackendPool) -> None:
         self.index = index
@@ -53,11 +75,8 @@ class CacheLookup:
         self.unknown = 0  # requests routed by the estimate: no tokens to match
         self.asked = 0
 
-    async def __call__(self, request: Request,
-                       group: str | None) -> tuple[dict[str, int], Guess] | None:
-        """Cached prompt tokens per candidate (absent: none), and what to call with the
-        backend it goes to (its blocks are guessed there until the events say); None when
-        they can't be known for this request."""
+    async def __call__(self, request: Request, group: str | None) -> Prediction | None:
+        """Cached prompt tokens per candidate; None when they can't be known."""
         body = tokenize_body(request.path, request.payload)
         candidates = self._pool.candidates(request.model, group)
         if body is None or not candidates or "cache_salt" in request.payload:
@@ -68,17 +87,13 @@ class CacheLookup:
         if tokens is None:
             self.unknown += 1
             return None
-        cached: dict[str, int] = {}
-        blocks: dict[int, list[Key]] = {}
+        prediction = Prediction(self.index)
         for size in {self.index.size(b.name) for b in candidates} - {0}:
-            blocks[size] = keys(tokens, size)
-            found = self.index.match(blocks[size])
-            cached.update({name: n * size for name, n in found.items()
-                           if self.index.size(name) == size})
-
-        def sent(backend: str) -> None:
-            self.index.guess(backend, blocks.get(self.index.size(backend), ()))
-        return cached, sent
+            prediction.blocks[size] = keys(tokens, size)
+            found = self.index.match(prediction.blocks[size])
+            prediction.cached.update({name: n * size for name, n in found.items()
+                                      if self.index.size(name) == size})
+        return prediction
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:
         headers = upstream_request_headers([JSON], backend, rid, b"")

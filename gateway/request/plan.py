@@ -20,7 +20,7 @@ from gateway.errors import GatewayError, ResponseUnavailable, UpstreamTimeout
 from gateway.http.headers import header
 from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
-from gateway.request.cache import CacheLookup, Guess
+from gateway.request.cache import CacheLookup
 from gateway.request.lookup import Lookup
 from gateway.resilience.attempt import (
     Attempt,
@@ -71,7 +71,6 @@ class Plan:
     facts: Facts | None
     tried: list[Backend] = field(default_factory=list)
     excluded: int = 0  # the first ``excluded`` of ``tried`` were never to be tried
-    sent: Guess | None = None  # routing.policy = "kv": told where its prompt went
 
     @property
     def asked(self) -> list[Backend]:
@@ -112,7 +111,8 @@ class Planner:
             facts, only = await self._lookup(record, admission, proposed, sole)
             predicted = await asking if asking is not None else None  # asked meanwhile
             if predicted is not None:
-                record.request = replace(record.request, cached=predicted[0])
+                record.request = replace(record.request, cached=predicted.cached)
+                record.prediction = predicted
         finally:
             if asking is not None and not asking.done():
                 asking.cancel()
@@ -126,7 +126,7 @@ class Planner:
             return Plan(record, facts, tried, len(tried))
         self._arms.settle(record, facts)
         self.mirror(record)
-        return Plan(record, facts, sent=predicted[1] if predicted is not None else None)
+        return Plan(record, facts)
 
     def _retrieval(self, record: Record, backend: Backend | None) -> None:
         """A retrieval or cancel of a stored response takes its model from the backend that
@@ -165,8 +165,8 @@ class Planner:
         if ticket is not None and not record.placed:
             record.placed = True
             self._queue.take(record.tenant)
-        if ticket is not None and plan.sent is not None:
-            plan.sent(ticket.backend.name)
+        if ticket is not None and record.prediction is not None:
+            record.prediction.sent(ticket.backend.name)
         return ticket
 
     def attempt(self, ticket: Ticket, record: Record) -> Attempt:
@@ -187,7 +187,11 @@ class Planner:
         return True
 
     def done(self, record: Record) -> None:
-        """The request ended: the place it held goes to the next one waiting."""
+        """The request ended: the place it held goes to the next one waiting; what vLLM
+        found cached corrects the prediction."""
+        if (record.prediction is not None and record.served_by is not None
+                and record.cached is not None):
+            record.prediction.found(record.served_by.name, record.cached)
         if record.placed:
             self._queue.give(record.tenant)
             if not self._queue.idle:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -71,6 +72,11 @@ def ask(gw: Gateway, documents: int, rounds: int, first: int = 0) -> list[dict[s
     return out
 
 
+def ready(gw: Gateway, backend: str) -> bool:
+    backends = httpx.get(gw.url + "/admin/status").json()["backends"]
+    return any(b["name"] == backend and b["state"] == "ready" for b in backends)
+
+
 def exact(results: list[dict[str, Any]]) -> int:
     return sum(r["predicted"] == r["cached"] for r in results)
 
@@ -128,6 +134,37 @@ def test_lost_batches_are_replayed_or_their_backend_forgotten(
                    for i in range(2)) >= 1
         if replay:
             assert exact(results) == len(results)
+    finally:
+        kv.stop()
+        for sim in group:
+            sim.stop()
+
+
+def test_a_restarted_backend_starts_again_from_an_empty_cache(tmp_path: Path,
+                                                             sockets: Path) -> None:
+    """A simulator restarted on its port and socket: its events start again from seq 0 and
+    the gateway forgets what it held. The first request sent there before any sign of the
+    restart is predicted a hit and finds a miss (counted "over"; its answer is right, only
+    slower); that correction and the new events make every later prediction exact."""
+    group = sims(tmp_path, sockets, "s", 2)
+    kv = gateway(tmp_path, sockets, "s", group)
+    try:
+        first = ask(kv, 4, 2)
+        assert exact(first) == len(first)
+        victim = first[0]["backend"]
+        i = int(victim[1:])
+        group[i].stop()
+        group[i] = Sim(tmp_path, f"s{i}-again", "--kv-events", f"ipc://{sockets}/s{i}.pub",
+                       "--kv-replay", f"ipc://{sockets}/s{i}.replay", "--token-details",
+                       "--kv-block", str(BLOCK), port=group[i].port)
+        resets = lambda: metric(kv.url, "gateway_kv_feed", backend=victim,  # noqa: E731
+                                what="resets")
+        before = resets()
+        wait_for(lambda: ready(kv, victim), 10, "the restarted simulator routable again")
+        again = ask(kv, 4, 2)  # its first event (seq 0) tells the gateway it restarted
+        wait_for(lambda: resets() > before, 10, "the restart noticed")
+        assert exact(again) == len(again)
+        assert metric(kv.url, "gateway_kv_predictions_total", result="over") <= 1
     finally:
         kv.stop()
         for sim in group:
