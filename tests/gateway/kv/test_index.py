@@ -158,3 +158,14 @@ def test_an_evicted_block_takes_its_guess_with_it() -> None:
     index.apply("a", decode(encode([{"type": "BlockRemoved", "block_hashes": [2],
                                      "medium": "GPU"}])))
     assert index.match(prompt) == {"a": 1}
+
+
+def test_what_vllm_did_not_find_is_not_there_until_it_is_stored_again() -> None:
+    index = Index()
+    tokens = list(range(12))
+    prompt = keys(tokens, 4)
+    index.apply("a", decode(encode([stored([1, 2, 3], tokens)])))
+    index.found("a", prompt, 1)  # vLLM found one block where the index said three
+    assert index.match(prompt) == {"a": 1}
+    index.apply("a", decode(encode([stored([5, 6], tokens[4:], parent=1)])))  # stored again
+    assert index.match(prompt) == {"a": 3}
