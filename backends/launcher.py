@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.family import MARKER
-from backends.spec import SpawnSpec
+from backends.spec import SpawnSpec, kv_dir
 
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -40,6 +40,11 @@ def kv_args(spec: SpawnSpec) -> list[str]:
     endpoints = spec.kv_endpoints
     if endpoints is None:
         return []
+    where = kv_dir()
+    os.makedirs(where, mode=0o700, exist_ok=True)
+    if os.stat(where).st_uid != os.getuid():  # someone else's: their sockets, not ours
+        raise RuntimeError(f"{where} belongs to another user: KV events can't go there")
+    os.chmod(where, 0o700)
     out = []
     if not any(a.startswith("--kv-events-config") for a in spec.args):
         # max_queue_size 0: vLLM's step loop never waits on its publisher thread (the

@@ -95,10 +95,11 @@ class SpawnSpec(BaseModel):
     @property
     def kv_endpoints(self) -> tuple[str, str] | None:
         """Where it publishes its KV events and answers replays (ZMQ URLs), when it does:
-        unix sockets named after its port (one instance per port on a host)."""
+        unix sockets named after its port (one instance per port on a host), in a
+        directory of this user's alone (``kv_dir``)."""
         if not self.kv_events:
             return None
-        base = os.path.join(tempfile.gettempdir(), f"vgw-kv-{self.port}")
+        base = os.path.join(kv_dir(), str(self.port))
         return f"ipc://{base}.pub", f"ipc://{base}.replay"
 
 
@@ -130,9 +131,17 @@ class DnsTarget:
         return cls(name.rstrip("."), int(port), server, server_port)
 
 
+def kv_dir() -> str:
+    """The directory of spawned instances' KV event sockets: this user's, mode 0700 (made
+    by the launcher), so that no other local user can publish in their place."""
+    return os.path.join(tempfile.gettempdir(), f"vgw-kv-{os.getuid()}")
+
+
 def _check_zmq_url(value: str) -> str:
     scheme, _, rest = value.partition("://")
-    if scheme not in ("tcp", "ipc") or not rest or "*" in rest:
+    host, _, port = rest.rpartition(":")
+    if (scheme not in ("tcp", "ipc") or not rest or "*" in rest or len(rest) > 100
+            or (scheme == "tcp" and not (host and port.isdigit()))):
         raise ValueError("must be tcp://HOST:PORT or ipc://PATH (an address to connect to)")
     return value
 
@@ -199,6 +208,9 @@ class BackendSpec(BaseModel):
     def _url_or_spawn(self) -> BackendSpec:
         if sum(x is not None for x in (self.url, self.spawn, self.discover)) != 1:
             raise ValueError("give 'url', 'discover' or a [backends.spawn] table (exactly one)")
+        if (self.kv_events or self.kv_replay) and self.url is None:
+            # A discovered name stands for several instances, each with events of its own.
+            raise ValueError("kv_events and kv_replay go with a 'url' backend")
         return self
 
     @property

@@ -247,6 +247,7 @@ def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary:
                     metrics, tracer, tally, cache)
     opener = Opener(pool, upstream, responses, tracer)
     relay = Relay(pool, degraded.cache, config.degraded.cache_max_bytes, metrics)
+    relay.explain = config.routing.kv_header
     if config.resilience.continue_streams != "off":
         relay.resume = Resume(config.resilience, config.upstream, router, opener, relay,
                               metrics, tally, tracer)

@@ -40,6 +40,7 @@ class PrefixCache:
         """Count one prompt: the prompt tokens that hit the cache, and those it added."""
         size = self.block
         full = len(prompt) - len(prompt) % size
+        hittable = (len(prompt) - 1) // size  # vLLM computes the last token whatever it holds
         self.queries += len(prompt)
         key: int | None = None
         hit = 0
@@ -48,7 +49,7 @@ class PrefixCache:
         first_new = 0
         for start in range(0, full, size):
             previous, key = key, _chain(key, prompt[start:start + size])
-            if not added and key in self._held:
+            if not added and key in self._held and start // size < hittable:
                 self._held.move_to_end(key)
                 hit += size
                 continue

@@ -157,6 +157,7 @@ class RoutingSection(Section):
     pin_policy: Literal["least_loaded", "round_robin", "prefix"] = "round_robin"
     sticky: bool = True
     pin_responses: bool = True  # a stored response's follow-ups go where it is stored
+    kv_header: bool = False  # policy "kv": x-gateway-cached-tokens on each reply
     session_ttl: float = Field(default=3600.0, gt=0, description="pin lifetime, refreshed on use")
     prefix_chars: int = Field(default=512, ge=16, description="prompt head to hash")
     bounded_load_factor: float = Field(default=1.25, ge=1.0, description="prefix policy cap")

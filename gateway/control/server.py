@@ -171,6 +171,10 @@ def _write(path: str, text: str) -> None:
     """Replace the file at ``path`` with ``text`` whole (a reader sees the old or the new;
     a config is a few KiB, written at start and at each reload)."""
     part = path + ".part"
-    with open(part, "w", encoding="utf-8") as out:
-        out.write(text)
-    os.replace(part, path)
+    try:
+        with open(part, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(part, path)
+    except OSError as exc:  # the reload stands
+        log.error("cannot keep the config for new workers in %s: %s (a new worker reads "
+                  "the last one kept, then its first sync brings this one)", path, exc)

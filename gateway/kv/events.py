@@ -70,9 +70,15 @@ _decoder = msgspec.msgpack.Decoder()
 def decode(payload: bytes) -> Batch:
     """One ZMQ message's payload, checked whole; ``BadEvents`` if any of it is wrong."""
     try:
-        raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, ValueError, RecursionError) as exc:
-        raise BadEvents(f"not msgpack: {exc}") from None
+        return _decode(payload)
+    except BadEvents:
+        raise
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError, OverflowError) as exc:
+        raise BadEvents(f"not vLLM's KV events: {type(exc).__name__}") from None
+
+
+def _decode(payload: bytes) -> Batch:
+    raw = _decoder.decode(payload)
     if isinstance(raw, dict):
         raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank", 0)]
     if not isinstance(raw, list) or len(raw) not in (2, 3):
@@ -124,7 +130,7 @@ def _stored(fields: dict[str, Any]) -> Stored:
     tokens = fields.get("token_ids")
     if not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
         raise BadEvents("token_ids do not fill the blocks")
-    if not all(type(t) is int and t >= 0 for t in tokens):
+    if not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
         raise BadEvents("token_ids are not token ids")
     extra = fields.get("extra_keys")
     if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):

@@ -59,11 +59,11 @@ class Feed:
     async def run(self) -> None:
         """Subscribe and apply until cancelled (the control plane runs one per backend)."""
         sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(self._endpoint)
         try:
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(self._endpoint)
             while True:
                 await self.receive(await sub.recv_multipart())
         finally:
@@ -164,7 +164,10 @@ class Feeds:
     def align(self, wanted: dict[str, tuple[str, str | None]]) -> None:
         """Start a feed per new backend (or new endpoints), stop those no longer wanted."""
         for name, (endpoints, task) in list(self._tasks.items()):
-            if wanted.get(name) != endpoints:
+            if task.done() and not task.cancelled():  # it failed: said, then started again
+                log.error("kv events of %s: the feed stopped (%s); its blocks are dropped",
+                          name, task.exception())
+            if wanted.get(name) != endpoints or task.done():
                 task.cancel()
                 del self._tasks[name]
                 self.feeds.pop(name, None)

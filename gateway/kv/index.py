@@ -172,6 +172,9 @@ class Index:
         for i, block in enumerate(event.hashes):
             extra = event.extra[i] if event.extra is not None else None
             key = chain(key, event.tokens[i * size:(i + 1) * size], extra)
+            stale = self._stale.get(key)
+            if stale is not None:
+                stale.discard(backend)  # stored again: what the events say holds
             old = held.by_hash.get(block)
             if old == key:
                 continue
@@ -180,9 +183,6 @@ class Index:
             held.by_hash[block] = key
             held.refs[key] = held.refs.get(key, 0) + 1
             self._unguess(key, backend)  # known now: the events speak for it
-            stale = self._stale.get(key)
-            if stale is not None:
-                stale.discard(backend)
             self._holders.setdefault(key, set()).add(backend)
             self.counts.stored += 1
         if len(held.by_hash) > self._max:

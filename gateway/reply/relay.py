@@ -40,14 +40,14 @@ FALLBACK = (b"x-gateway-degraded", b"fallback")
 
 
 def _headers(resp: UpstreamResponse, backend: Backend, record: Record, stream: bool,
-             length: int | None = None) -> list[tuple[bytes, bytes]]:
+             length: int | None = None, explain: bool = False) -> list[tuple[bytes, bytes]]:
     """The reply's headers for the client; a fallback model's reply says it is one."""
     headers = client_response_headers(resp.headers, backend, record.request.request_id,
                                       stream, length)
     if record.fallback_of is not None:
         headers.append(FALLBACK)
     cached = record.request.cached
-    if cached is not None:  # routing.policy = "kv": the prompt tokens it was said to hold
+    if explain and cached is not None:  # the prompt tokens it was predicted to hold
         headers.append((b"x-gateway-cached-tokens", b"%d" % cached.get(backend.name, 0)))
     return headers
 
@@ -111,6 +111,10 @@ class Relay:
         self._cache_max = cache_max
         self._metrics = metrics
         self.resume: Resumer | None = None  # continues broken streams (gateway.reply.resume)
+        # routing.kv_header: each reply says the prompt tokens its backend was predicted to
+        # hold. Off by default: with one cache for several tenants it tells one of them
+        # what the others sent recently.
+        self.explain = False
 
     def _rewrite(self, request: Request, backend: Backend,
                  headers: list[tuple[bytes, bytes]]) -> ModelRewrite | None:
@@ -138,7 +142,7 @@ class Relay:
         await send({
             "type": "http.response.start",
             "status": resp.status,
-            "headers": _headers(resp, backend, record, stream),
+            "headers": _headers(resp, backend, record, stream, explain=self.explain),
         })
         # Kept for the reply cache, and to continue the stream should it break: the chunks
         # relayed anyway, by reference, up to the cap.
@@ -288,7 +292,7 @@ class Relay:
         await send({
             "type": "http.response.start",
             "status": resp.status,
-            "headers": _headers(resp, backend, record, False, len(body)),
+            "headers": _headers(resp, backend, record, False, len(body), self.explain),
         })
         await send({"type": "http.response.body", "body": body, "more_body": False})
         record.chunks, record.last_byte = 1, loop.time()

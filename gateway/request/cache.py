@@ -23,7 +23,7 @@ from gateway.http.headers import upstream_request_headers
 from gateway.kv.index import Index, Key, keys
 from gateway.routing.pool import BackendPool
 from gateway.types import Request
-from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken
+from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.kv")
 
@@ -83,13 +83,17 @@ class CacheLookup:
             self.unknown += 1
             return None
         self.asked += 1
-        tokens = await self._tokens(candidates[0], body, request.request_id)
+        # Any candidate renders as the others: spread the work over them.
+        asked = candidates[hash(request.request_id) % len(candidates)]
+        tokens = await self._tokens(asked, body, request.request_id)
         if tokens is None:
             self.unknown += 1
             return None
         prediction = Prediction(self.index)
         for size in {self.index.size(b.name) for b in candidates} - {0}:
-            prediction.blocks[size] = keys(tokens, size)
+            # vLLM computes a prompt's last token whatever it holds (a hit is at most
+            # len - 1 tokens): a prompt of whole blocks finds one block less.
+            prediction.blocks[size] = keys(tokens[:-1], size)
             found = self.index.match(prediction.blocks[size])
             prediction.cached.update({name: n * size for name, n in found.items()
                                       if self.index.size(name) == size})
@@ -97,6 +101,8 @@ class CacheLookup:
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:
         headers = upstream_request_headers([JSON], backend, rid, b"")
+        reply: UpstreamResponse | None = None
+        whole = False
         try:
             async with asyncio.timeout(TOKENIZE_WITHIN):
                 reply = await self._upstream.request("POST", backend.url + "/tokenize",
@@ -104,11 +110,14 @@ class CacheLookup:
                 chunks = []
                 while chunk := await reply.read():
                     chunks.append(chunk)
-                await reply.aclose(reuse=True)
+                whole = True
         except (TimeoutError, ConnectFailed, UpstreamBroken, OSError) as exc:
             log.info("request %s: no tokens from %s: %s", rid, backend.name,
                      type(exc).__name__)
             return None
+        finally:
+            if reply is not None:  # a reply cut short: its connection is not reused
+                await reply.aclose(reuse=whole)
         if reply.status != 200:
             return None
         try:

@@ -105,11 +105,16 @@ class Planner:
         response lives on one backend, that backend alone is planned."""
         self._arms.draw(record)
         proposed, sole = self._router.propose(record.request, record.group)
+        # Asked during the round trip; after it when the key has limits (a refused request
+        # makes vLLM render nothing).
+        ask = self._cache is not None and not sole
         asking = (asyncio.ensure_future(self._cache(record.request, record.group))
-                  if self._cache is not None and not sole else None)
+                  if self._cache is not None and ask and admission is None else None)
         try:
             facts, only = await self._lookup(record, admission, proposed, sole)
-            predicted = await asking if asking is not None else None  # asked meanwhile
+            if self._cache is not None and ask and asking is None:
+                asking = asyncio.ensure_future(self._cache(record.request, record.group))
+            predicted = await asking if asking is not None else None
             if predicted is not None:
                 record.request = replace(record.request, cached=predicted.cached)
                 record.prediction = predicted

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 
 from backends.launcher import build
-from backends.spec import SpawnSpec
+from backends.spec import SpawnSpec, kv_dir
 
 
 def spec(**kw: object) -> SpawnSpec:
@@ -92,7 +93,8 @@ def test_kv_events_go_to_unix_sockets_named_after_the_port_with_cached_tokens() 
     pub, replay = spec(kv_events=True).kv_endpoints or ("", "")
     assert told == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
                     "replay_endpoint": replay, "topic": "kv", "max_queue_size": 0}
-    assert pub.startswith("ipc://") and pub.endswith("vgw-kv-8101.pub")
+    assert pub == f"ipc://{kv_dir()}/8101.pub" and replay == f"ipc://{kv_dir()}/8101.replay"
+    assert os.stat(kv_dir()).st_mode & 0o777 == 0o700  # no other user binds there
     assert "--enable-prompt-tokens-details" in launch.argv
     own = build(spec(kv_events=True, args=["--kv-events-config={}"]), gpu_package=False)
     assert "--kv-events-config" not in own.argv  # the user's own wins

@@ -42,7 +42,8 @@ def gateway(tmp: Path, sockets: Path, tag: str, group: list[Sim], policy: str = 
         f'kv_events = "ipc://{sockets}/{tag}{i}.pub"\n'
         + (f'kv_replay = "ipc://{sockets}/{tag}{i}.replay"\n' if replay else "")
         for i, sim in enumerate(group))
-    gw = Gateway(tmp, f'[routing]\npolicy = "{policy}"\n[health]\ninterval = 0.3\n' + backends,
+    gw = Gateway(tmp, f'[routing]\npolicy = "{policy}"\nkv_header = true\n'
+                 '[health]\ninterval = 0.3\n' + backends,
                  name=f"kv-{tag}-{policy}", workers=None)
     wait_for(lambda: http_ok(gw.url + "/readyz"), 20, "gateway ready")
     return gw

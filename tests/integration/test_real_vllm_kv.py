@@ -30,8 +30,9 @@ def gateway(gw: Gateway, tmp: Path, policy: str) -> Gateway:
         events, replay = kv_endpoints(backend["url"])
         backends += (f'[[backends]]\nname = "{name}"\nurl = "{backend["url"]}"\n'
                      f'kv_events = "{events}"\nkv_replay = "{replay}"\n')
-    front = Gateway(tmp, f'[routing]\npolicy = "{policy}"\n[health]\ninterval = 0.5\n'
-                    + backends, name=f"kv-{policy}", workers=None)  # the default: a worker per core
+    front = Gateway(tmp, f'[routing]\npolicy = "{policy}"\nkv_header = true\n'
+                    '[health]\ninterval = 0.5\n' + backends, name=f"kv-{policy}",
+                    workers=None)  # the default: a worker per core
     wait_for(lambda: http_ok(front.url + "/readyz"), 30, f"{policy} gateway ready")
     return front
 

@@ -111,6 +111,9 @@ HOSTILE = {
     "an unknown type": encode([{"type": "BlocksTeleported"}]),
     "an event that is a number": encode([42]),  # type: ignore[list-item]
     "deep nesting": b"\x91" * 100_000,
+    "a token id past 32 bits": encode([stored([1], [1, 2, 3, 1 << 32])]),
+    "extra keys nested deep": msgspec.msgpack.encode(
+        [1.0, [stored([1], [1, 2, 3, 4], extra_keys=[0])], 0])[:-1] + b"\x91" * 3000 + b"\x00",
 }
 
 

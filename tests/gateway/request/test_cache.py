@@ -26,8 +26,8 @@ def tokenizer(tokens: list[int]) -> Any:
                                    "tokens": tokens}))
 
 
-def kv_gateway(upstream: FakeUpstream) -> Parts:
-    return gateway(upstream, routing={"sticky": False, "policy": "kv"})
+def kv_gateway(upstream: FakeUpstream, explain: bool = True) -> Parts:
+    return gateway(upstream, routing={"sticky": False, "policy": "kv", "kv_header": explain})
 
 
 def holds(parts: Parts, backend: str, blocks: int) -> None:
@@ -57,6 +57,9 @@ def test_the_backend_holding_the_longest_prefix_takes_the_request() -> None:
     holds(parts, "a", 1)
     holds(parts, "b", 2)
     assert [served_by(parts) for _ in range(3)] == ["b:8"] * 3  # two blocks of 4 tokens
+    quiet = kv_gateway(upstream, explain=False)  # the default: no tenant learns of others
+    holds(quiet, "b", 2)
+    assert served_by(quiet) == "b"
 
 
 def test_what_the_tokenizer_is_asked_is_the_chat_as_vllm_renders_it() -> None:
