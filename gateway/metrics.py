@@ -131,6 +131,21 @@ class Metrics:
         self.kv_event_age = gauge(
             "gateway_kv_event_age_seconds", "Seconds since each backend's last KV event batch "
             "(-1: none yet)", ("backend",))
+        self.kv_standing = gauge(
+            "gateway_kv_standing", "How each backend is routed (1 for its standing): exact "
+            "(by its events), estimated (no events), unsynced (not yet in step, or events "
+            "lost lately), lagging (its events come late), inexact (its predictions keep "
+            "missing); all but exact go by the gateway's own estimate", ("backend", "standing"))
+        self.kv_prefill_rate = gauge(
+            "gateway_kv_prefill_rate", "Each backend's measured prefill rate (tokens/s; -1: "
+            "not measured yet), from the streams it served", ("backend",))
+        self.kv_prefill_pending = gauge(
+            "gateway_kv_prefill_pending_tokens", "Prompt tokens sent to each backend and not "
+            "yet prefilled (the kv policy's load)", ("backend",))
+        self.kv_lookups = gauge(
+            "gateway_kv_lookups", "Requests whose prompt was tokenized for the kv policy "
+            "(asked), and those routed without a prediction (unknown: another route, a "
+            "cache_salt, or no tokens in time)", ("result",), "livesum")
         self.kv_predicted = counter(
             "gateway_kv_predicted_tokens_total", "routing.policy = kv: prompt tokens the "
             "chosen backend was predicted to hold in its KV cache", ("backend",))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,7 +36,23 @@ class Request:
     follows: str | None = None  # the stored response it continues, retrieves or cancels
     strip_usage: bool = False  # the gateway asked for a usage chunk the client did not
     # Prompt tokens each candidate holds in its KV cache (issue 38): None when unknown.
-    cached: Mapping[str, int] | None = None
+    cached: Cached | None = None
+
+
+class Cached(dict[str, int]):
+    """Prompt tokens each candidate holds in its KV cache, as predicted (absent: none),
+    with what the ``kv`` policy weighs beside: the prompt's length, each candidate's
+    expected prefill wait (``gateway.kv.prefill``) and how each is known (its standing);
+    the policy writes the rule that decided, for the access log and the debug header."""
+
+    __slots__ = ("rule", "standing", "tokens", "waits")
+
+    def __init__(self, tokens: int = 0) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.waits: dict[str, float] = {}
+        self.standing: dict[str, str] = {}
+        self.rule = ""
 
 
 class StreamCause(enum.StrEnum):
@@ -89,11 +105,15 @@ class Record:
 
 class CachePrediction(Protocol):
     """What the KV index predicted of a request's prompt (``gateway.request.cache``), told
-    where the request went and what vLLM found cached there."""
+    where each attempt went, when its first byte came (``loop`` time; only a stream's
+    first byte is the prefill's end) and, at the end, what vLLM found cached where it
+    was served (None: not said)."""
 
     def sent(self, backend: str) -> None: ...
 
-    def found(self, backend: str, tokens: int) -> None: ...
+    def began(self, at: float, stream: bool) -> None: ...
+
+    def ended(self, backend: str | None, found: int | None) -> None: ...
 
 
 class Policy(Protocol):

@@ -4,6 +4,9 @@ into the index: a ZMQ SUB on its ``endpoint`` (frames ``[topic, seq, payload]``,
 ``replay_endpoint`` (ask ``[b"", start seq]``; batches come back ``[b"", topic, seq,
 payload]`` until ``[b"", b"", END, b""]``).
 
+A feed starts by asking the replay endpoint for everything from seq 0: vLLM keeps its last
+``buffer_steps`` batches, so a gateway (re)started beside a running instance learns what it
+cached before (all of it while the instance is young), and is ``synced`` once that ends.
 What the stream says is applied in order, one batch at a time; what it cannot say is never
 guessed: a gap that the replay does not fill (vLLM keeps its last ``buffer_steps`` batches)
 or a seq that goes back (the instance restarted) drops the backend's blocks from the index,
@@ -25,14 +28,22 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from gateway.kv.estimate import Checks, Estimate
 from gateway.kv.events import BadEvents, decode
 from gateway.kv.index import Index
+from gateway.kv.prefill import Prefill
 
 log = logging.getLogger("gateway.kv")
 
 END = b"\xff" * 8  # vLLM's end of a replay (-1 as 8 signed bytes)
 MAX_MESSAGE = 64 << 20  # a larger message is refused by ZMQ itself (the peer is cut off)
 REPLAY_WITHIN = 2.0  # seconds for a whole replay, else the gap is given up
+SYNC_WITHIN = 10.0  # seconds for the first replay (up to vLLM's whole buffer)
+LAGGING = 2.0  # seconds between a batch's sending (its ts) and its arrival: lagging
+UNSYNCED_FOR = 60.0  # seconds a backend that lost events is routed by the estimate
+EXACT, ESTIMATED, UNSYNCED, LAGGING_, INEXACT = (
+    "exact", "estimated", "unsynced", "lagging", "inexact")
+STANDINGS = (EXACT, ESTIMATED, UNSYNCED, LAGGING_, INEXACT)
 
 
 @dataclass
@@ -55,6 +66,11 @@ class Feed:
         self._replay = replay
         self._context = context or zmq.asyncio.Context.instance()
         self._last: int | None = None  # the seq of the last batch applied
+        self._synced_to: int | None = None  # the first replay's last seq: older ones repeat
+        self.synced = False  # the first replay is over (or there is none to ask)
+        self.lost_at: float | None = None  # monotonic time events were last lost
+        self.lag = 0.0  # seconds the last live batch took from vLLM to here
+
 
     async def run(self) -> None:
         """Subscribe and apply until cancelled (the control plane runs one per backend)."""
@@ -64,6 +80,7 @@ class Feed:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(self._endpoint)
+            await self.sync()
             while True:
                 await self.receive(await sub.recv_multipart())
         finally:
@@ -75,6 +92,10 @@ class Feed:
         if parsed is None:
             return
         seq, payload = parsed
+        if self._synced_to is not None:
+            if seq <= self._synced_to:
+                return  # published during the first replay, and applied from it
+            self._synced_to = None
         if self._last is not None and seq <= self._last:
             log.info("kv events of %s start again at %d: its blocks are dropped",
                      self.backend, seq)
@@ -85,7 +106,8 @@ class Feed:
                 log.warning("kv events of %s: batches %d to %d lost; its blocks are dropped",
                             self.backend, self._last + 1, seq - 1)
                 self._reset()
-        self._apply(seq, payload)
+                self.lost_at = time.monotonic()
+        self._apply(seq, payload, live=True)
 
     def _parse(self, frames: list[bytes]) -> tuple[int, bytes] | None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -93,7 +115,19 @@ class Feed:
             return None
         return int.from_bytes(frames[1], "big"), frames[2]
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def sync(self) -> None:
+        """Everything the replay endpoint still holds, from seq 0, applied in order."""
+        if self._replay is not None:
+            try:
+                async with asyncio.timeout(SYNC_WITHIN):
+                    await self._ask(0, None)
+            except (TimeoutError, zmq.ZMQError) as exc:
+                log.info("kv events of %s: the first replay did not finish (%s)",
+                         self.backend, type(exc).__name__)
+            self._synced_to = self._last
+        self.synced = True
+
+    def _apply(self, seq: int, payload: bytes, live: bool = False) -> None:
         try:
             batch = decode(payload)
         except BadEvents as exc:
@@ -104,6 +138,8 @@ class Feed:
             self._index.apply(self.backend, batch)
             self.counts.batches += 1
             self.counts.last_event = time.monotonic()
+            if live:
+                self.lag = max(0.0, time.time() - batch.ts)
         self._last = seq
 
     def _reset(self) -> None:
@@ -116,47 +152,59 @@ class Feed:
         False when it has none, answers too late or no longer holds ``first``."""
         if self._replay is None:
             return False
+        try:
+            async with asyncio.timeout(REPLAY_WITHIN):
+                return await self._ask(first, upto)
+        except (TimeoutError, zmq.ZMQError):
+            return False
+
+    async def _ask(self, first: int, upto: int | None) -> bool:
+        """Ask the replay endpoint from ``first`` and apply what comes, up to ``upto``
+        (None: to its end, starting wherever its buffer starts)."""
+        assert self._replay is not None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self._replay)
         try:
             await dealer.send_multipart([b"", first.to_bytes(8, "big")])
-            async with asyncio.timeout(REPLAY_WITHIN):
-                return await self._replayed(dealer, first, upto)
-        except (TimeoutError, zmq.ZMQError):
-            return False
+            return await self._replayed(dealer, first, upto)
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 dealer.close()
 
-    async def _replayed(self, dealer: zmq.asyncio.Socket, first: int, upto: int) -> bool:
-        want = first
-        while want < upto:
+    async def _replayed(self, dealer: zmq.asyncio.Socket, want: int, upto: int | None) -> bool:
+        while upto is None or want < upto:
             frames = await dealer.recv_multipart()
             if len(frames) == 4 and frames[2] == END:
-                return False  # it ended before the gap was filled
+                return upto is None  # the end: of the buffer, or before the gap was filled
             if len(frames) != 4 or len(frames[2]) != 8:
                 self.counts.bad += 1
                 return False
             seq = int.from_bytes(frames[2], "big")
             if seq < want:
                 continue
-            if seq > want:
+            if seq > want and upto is not None:
                 return False  # it no longer holds ``want``
             self._apply(seq, frames[3])
             self.counts.replayed += 1
-            want += 1
+            want = seq + 1
         return True
 
 
 class Feeds:
     """A feed for every backend that publishes events, kept in step with the backends
     there are (a reload or a discovery adds and removes them): ``run`` looks every
-    ``every`` seconds."""
+    ``every`` seconds. With them, what the request path knows of every backend's cache:
+    the index, the estimate, the checks of the index's predictions, and the prefill
+    still to do (``standing`` says which of index and estimate a backend is routed by)."""
 
     def __init__(self, index: Index, every: float = 1.0) -> None:
         self.index = index
+        self.estimate = Estimate()
+        self.checks = Checks()
+        self.prefill = Prefill()
+        self.lookups = {"asked": 0, "unknown": 0}  # requests tokenized, and not
         self.feeds: dict[str, Feed] = {}
         self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
         self._every = every
@@ -172,12 +220,30 @@ class Feeds:
                 del self._tasks[name]
                 self.feeds.pop(name, None)
                 self.index.drop(name)
+                self.checks.drop(name)
         for name, endpoints in wanted.items():
             if name not in self._tasks:
                 feed = Feed(name, self.index, endpoints[0], endpoints[1])
                 self.feeds[name] = feed
                 self._tasks[name] = (endpoints, asyncio.get_running_loop().create_task(
                     feed.run(), name=f"kv-feed-{name}"))
+
+    def standing(self, backend: str) -> str:
+        """How ``backend`` is routed: ``exact`` (by the index), else by the estimate:
+        ``estimated`` (it sends no events), ``unsynced`` (not yet in step, or events lost
+        lately), ``lagging`` (its events come late) or ``inexact`` (the index's
+        predictions for it keep missing)."""
+        feed = self.feeds.get(backend)
+        if feed is None:
+            return ESTIMATED
+        if not feed.synced or (feed.lost_at is not None
+                               and time.monotonic() - feed.lost_at < UNSYNCED_FOR):
+            return UNSYNCED
+        if feed.lag >= LAGGING:
+            return LAGGING_
+        if self.checks.inexact(backend):
+            return INEXACT
+        return EXACT
 
     async def run(self, wanted: Callable[[], dict[str, tuple[str, str | None]]]) -> None:
         try:

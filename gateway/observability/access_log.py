@@ -64,7 +64,8 @@ class RequestLog:
         if usage is not None:
             child(m.tokens, record.tenant, model, "prompt").inc(usage[0])
             child(m.tokens, record.tenant, model, "completion").inc(usage[1])
-        predicted = request.cached.get(name, 0) if request.cached is not None else None
+        cached = request.cached
+        predicted = cached.get(name, 0) if cached is not None else None
         if predicted is not None and record.cached is not None:
             self._predicted(name, predicted, record.cached)
         trace_id = None
@@ -82,6 +83,8 @@ class RequestLog:
                 "chunks": record.chunks if request.stream else None,
                 "tokens": list(usage) if usage is not None else None,
                 "cached_predicted": predicted, "cached": record.cached,
+                "kv_rule": cached.rule or None if cached is not None else None,
+                "kv_standing": cached.standing.get(name) if cached is not None else None,
                 "attempts": record.attempts, "note": record.note or None})
 
     def _predicted(self, backend: str, predicted: int, cached: int) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
 from gateway.canary.rollout import Canary
-from gateway.kv.feed import Feeds
+from gateway.kv.feed import STANDINGS, Feeds
 from gateway.metrics import Metrics
 from gateway.observability.trends import Trends, reader
 from gateway.resilience.breaker import STATE_VALUE, Breakers
@@ -55,14 +55,40 @@ class Status:
             self._feeds(self._kv)
 
     def _feeds(self, kv: Feeds) -> None:
-        m, now = self._m, time.monotonic()
+        m = self._m
+        for name, row in self._kv_rows(kv).items():
+            for standing in STANDINGS:
+                m.kv_standing.labels(name, standing).set(row["standing"] == standing)
+            rate = row["prefill_rate"]
+            m.kv_prefill_rate.labels(name).set(rate if rate is not None else -1)
+            m.kv_prefill_pending.labels(name).set(row["prefill_pending"])
+            if "blocks" in row:
+                m.kv_blocks.labels(name).set(row["blocks"])
+                age = row["event_age_s"]
+                m.kv_event_age.labels(name).set(age if age is not None else -1)
         for name, feed in kv.feeds.items():
-            counts = feed.counts
-            m.kv_blocks.labels(name).set(kv.index.blocks(name))
             for what in ("batches", "bad", "gaps", "replayed", "resets"):
-                m.kv_feed.labels(name, what).set(getattr(counts, what))
-            last = counts.last_event
-            m.kv_event_age.labels(name).set(now - last if last is not None else -1)
+                m.kv_feed.labels(name, what).set(getattr(feed.counts, what))
+        for result, n in kv.lookups.items():
+            m.kv_lookups.labels(result).set(n)
+
+    def _kv_rows(self, kv: Feeds) -> dict[str, dict[str, Any]]:
+        """What the kv policy knows of each backend's cache, for the metrics and the page."""
+        now, rows = time.monotonic(), {}
+        for b in self._pool.backends:
+            rate = kv.prefill.rates.get(b.name)
+            row: dict[str, Any] = {
+                "standing": kv.standing(b.name),
+                "prefill_rate": round(rate) if rate is not None else None,
+                "prefill_pending": kv.prefill.pending.get(b.name, 0)}
+            feed = kv.feeds.get(b.name)
+            if feed is not None:
+                last = feed.counts.last_event
+                row.update(blocks=kv.index.blocks(b.name), gaps=feed.counts.gaps,
+                           resets=feed.counts.resets, lag_s=round(feed.lag, 3),
+                           event_age_s=round(now - last, 1) if last is not None else None)
+            rows[b.name] = row
+        return rows
 
     def loaded(self, backend: Backend) -> None:
         """A backend's scraped load and GPU readings, re-exported."""
@@ -105,6 +131,10 @@ class Status:
                          for g in load.gpus] if load else [],
                 "breaker": self._breakers.status(b.name), "last_probe": b.last_probe,
                 "models": sorted(b.models)})
+        if self._kv is not None:
+            kv = self._kv_rows(self._kv)
+            for row in backends:
+                row["kv"] = kv.get(row["name"])
         return {"backends": backends, "canary": self._canary.status(),
                 "degraded": counts.get("degraded", own["degraded"]),
                 "trends": self.trends.data(),

@@ -49,6 +49,7 @@ def _headers(resp: UpstreamResponse, backend: Backend, record: Record, stream: b
     cached = record.request.cached
     if explain and cached is not None:  # the prompt tokens it was predicted to hold
         headers.append((b"x-gateway-cached-tokens", b"%d" % cached.get(backend.name, 0)))
+        headers.append((b"x-gateway-kv-rule", cached.rule.encode()))
     return headers
 
 
@@ -76,6 +77,8 @@ class Tap:
             self._ticket.first_byte = now
             if self._record.first_byte is None:  # a continuation's is not the request's
                 self._record.first_byte = now
+            if self._record.prediction is not None:  # the prefill is over
+                self._record.prediction.began(now, self._stream)
         self.chunks += 1
         self.before, self.last = self.last, chunk
         if self._stream and self.cause is None:

@@ -20,9 +20,10 @@ import orjson
 
 from backends.backend import Backend
 from gateway.http.headers import upstream_request_headers
-from gateway.kv.index import Index, Key, keys
+from gateway.kv.feed import EXACT, INEXACT, Feeds
+from gateway.kv.index import Key, keys
 from gateway.routing.pool import BackendPool
-from gateway.types import Request
+from gateway.types import Cached, Request
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.kv")
@@ -47,56 +48,109 @@ def tokenize_body(path: str, payload: Mapping[str, Any]) -> bytes | None:
 
 @dataclass
 class Prediction:
-    """What the index said of one request's prompt: cached tokens per candidate (absent:
-    none). Told where the request went (its blocks are guessed there until the events say)
-    and what vLLM then found there (what it did not find is not there)."""
+    """What was predicted of one request's prompt: cached tokens per candidate (``cached``,
+    from the index or the estimate as each candidate's standing says) and what the index
+    alone said (``events``, checked against what vLLM finds). Told where each attempt went
+    (its blocks are guessed there and its prefill counted), when the first byte came
+    (the prefill's rate measured) and what vLLM found (what it did not find is gone)."""
 
-    index: Index
-    cached: dict[str, int] = field(default_factory=dict)
+    feeds: Feeds
+    cached: Cached
+    events: dict[str, int] = field(default_factory=dict)  # backends whose index is judged
+    guessed: dict[str, int] = field(default_factory=dict)  # what the estimate said
     blocks: dict[int, list[Key]] = field(default_factory=dict)  # by block size
+    sizes: dict[str, int] = field(default_factory=dict)  # each candidate's block size
+    _on: str | None = None  # the backend whose prefill load holds this prompt's tokens
+    _ahead = 0  # tokens to prefill there before it, when it was sent
+    _tokens = 0  # its own, not cached there
+    _at = 0.0
 
     def sent(self, backend: str) -> None:
-        self.index.guess(backend, self._of(backend))
+        self._release()
+        keys = self._of(backend)
+        self.feeds.index.guess(backend, keys)
+        self.feeds.estimate.sent(backend, keys)
+        self._tokens = max(0, self.cached.tokens - self.cached.get(backend, 0))
+        self._ahead = self.feeds.prefill.start(backend, self._tokens)
+        self._on, self._at = backend, asyncio.get_running_loop().time()
 
-    def found(self, backend: str, tokens: int) -> None:
-        size = self.index.size(backend)
-        if size and tokens < self.cached.get(backend, 0):
-            self.index.found(backend, self._of(backend), tokens // size)
+    def began(self, at: float, stream: bool) -> None:
+        if self._on is not None and stream:
+            self.feeds.prefill.measured(self._on, self._ahead + self._tokens, at - self._at)
+        self._release()
+
+    def ended(self, backend: str | None, found: int | None) -> None:
+        self._release()
+        if backend is None or found is None or backend not in self.sizes:
+            return
+        size = self.sizes[backend]
+        keys, blocks = self._of(backend), found // size
+        if backend in self.events:
+            predicted = self.events[backend]
+            self.feeds.checks.record(backend, predicted == found)
+            if found < predicted:
+                self.feeds.index.found(backend, keys, blocks)
+        guessed = self.guessed.get(backend, 0) // size
+        self.feeds.estimate.found(backend, keys, guessed, blocks, found)
+
+    def _release(self) -> None:
+        if self._on is not None:
+            self.feeds.prefill.done(self._on, self._tokens)
+            self._on = None
 
     def _of(self, backend: str) -> list[Key]:
-        return self.blocks.get(self.index.size(backend), [])
+        return self.blocks.get(self.sizes.get(backend, 0), [])
 
 
 class CacheLookup:
-    def __init__(self, index: Index, upstream: Upstream, pool: BackendPool) -> None:
-        self.index = index
+    def __init__(self, feeds: Feeds, upstream: Upstream, pool: BackendPool) -> None:
+        self.feeds = feeds
         self._upstream = upstream
         self._pool = pool
-        self.unknown = 0  # requests routed by the estimate: no tokens to match
-        self.asked = 0
 
     async def __call__(self, request: Request, group: str | None) -> Prediction | None:
         """Cached prompt tokens per candidate; None when they can't be known."""
         body = tokenize_body(request.path, request.payload)
         candidates = self._pool.candidates(request.model, group)
         if body is None or not candidates or "cache_salt" in request.payload:
-            self.unknown += 1
+            self.feeds.lookups["unknown"] += 1
             return None
-        self.asked += 1
+        self.feeds.lookups["asked"] += 1
         # Any candidate renders as the others: spread the work over them.
         asked = candidates[hash(request.request_id) % len(candidates)]
         tokens = await self._tokens(asked, body, request.request_id)
         if tokens is None:
-            self.unknown += 1
+            self.feeds.lookups["unknown"] += 1
             return None
-        prediction = Prediction(self.index)
-        for size in {self.index.size(b.name) for b in candidates} - {0}:
+        return self.predict(tokens, [b.name for b in candidates])
+
+    def predict(self, tokens: list[int], names: list[str]) -> Prediction:
+        """What each of ``names`` holds of a prompt of ``tokens``."""
+        feeds = self.feeds
+        index, estimate = feeds.index, feeds.estimate
+        prediction = Prediction(feeds, Cached(len(tokens)))
+        cached = prediction.cached
+        for name in names:
+            cached.standing[name] = feeds.standing(name)
+            prediction.sizes[name] = index.size(name) or estimate.size(name)
+        for size in set(prediction.sizes.values()):
             # vLLM computes a prompt's last token whatever it holds (a hit is at most
             # len - 1 tokens): a prompt of whole blocks finds one block less.
-            prediction.blocks[size] = keys(tokens[:-1], size)
-            found = self.index.match(prediction.blocks[size])
-            prediction.cached.update({name: n * size for name, n in found.items()
-                                      if self.index.size(name) == size})
+            blocks = prediction.blocks[size] = keys(tokens[:-1], size)
+            these = [n for n in names if prediction.sizes[n] == size]
+            held = index.match(blocks)
+            guessed = estimate.match(blocks, these)  # for all: its cap is tuned meanwhile
+            for name in these:
+                standing = cached.standing[name]
+                if standing in (EXACT, INEXACT):  # in step and on time: the index is judged
+                    prediction.events[name] = held.get(name, 0) * size
+                if guessed.get(name):
+                    prediction.guessed[name] = guessed[name] * size
+                n = held.get(name, 0) if standing == EXACT else guessed.get(name, 0)
+                if n:
+                    cached[name] = n * size
+        for name in names:
+            cached.waits[name] = feeds.prefill.wait(name, len(tokens) - cached.get(name, 0))
         return prediction
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:

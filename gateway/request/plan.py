@@ -194,9 +194,10 @@ class Planner:
     def done(self, record: Record) -> None:
         """The request ended: the place it held goes to the next one waiting; what vLLM
         found cached corrects the prediction."""
-        if (record.prediction is not None and record.served_by is not None
-                and record.cached is not None):
-            record.prediction.found(record.served_by.name, record.cached)
+        if record.prediction is not None:
+            served = record.served_by
+            record.prediction.ended(served.name if served is not None else None,
+                                    record.cached)
         if record.placed:
             self._queue.give(record.tenant)
             if not self._queue.idle:

@@ -1,8 +1,16 @@
-"""Cache-aware (issue 38): the candidate that holds the longest prefix of the prompt in its
-KV cache (``Request.cached``, from vLLM's own events), as long as it is not busier than
-its share (bounded load, as ``prefix``: at most ``factor`` x the average in flight); a
-request with no prefix cached anywhere, or whose prediction is unknown, goes to the least
-loaded."""
+"""Cache-aware (issue 38): among the candidates that are not saturated (bounded load, as
+``prefix``: fewer in flight than ``factor`` x the average), the one where the request's
+prefill would end first: its expected wait is the tokens still to prefill there (in
+flight, and the request's own that it does not hold cached) over its measured prefill
+rate (``Request.cached.waits``, from ``gateway.kv.prefill``). So the longest cached prefix
+wins while its instance keeps up, and affinity yields exactly when the warm instance's
+extra wait would exceed what its cache saves. A request with nothing cached anywhere, or
+whose prediction is unknown, goes to the least loaded.
+
+The rule that decided is written on the prediction: ``cached`` (the longest cached
+prefix), ``prefill`` (a warmer instance would have made it wait longer), ``saturated``
+(every warmer instance is over its share), ``least_loaded`` (nothing cached anywhere).
+"""
 
 from __future__ import annotations
 
@@ -21,15 +29,24 @@ class KvAware:
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend:
         cached = request.cached
-        if cached:
-            total = sum(b.in_flight for b in candidates) + 1
-            cap = math.ceil(total * self._factor / len(candidates))
-            warm = sorted((b for b in candidates if cached.get(b.name, 0) > 0),
-                          key=lambda b: (-cached.get(b.name, 0), b.in_flight))
-            best = next((b for b in warm if b.in_flight < cap), None)
-            if best is not None:
-                return best
-        return self._least.choose(candidates, request)
+        best = max((cached.get(b.name, 0) for b in candidates), default=0) if cached else 0
+        if cached is None or not best:
+            if cached is not None:
+                cached.rule = "least_loaded"
+            return self._least.choose(candidates, request)
+        total = sum(b.in_flight for b in candidates) + 1
+        cap = math.ceil(total * self._factor / len(candidates))
+        open_ = [b for b in candidates if b.in_flight < cap] or list(candidates)
+        waits = cached.waits
+        chosen = min(open_, key=lambda b: (waits.get(b.name, 0.0), -cached.get(b.name, 0),
+                                           b.in_flight))
+        if cached.get(chosen.name, 0) == best:
+            cached.rule = "cached"
+        elif any(cached.get(b.name, 0) == best for b in open_):
+            cached.rule = "prefill"
+        else:
+            cached.rule = "saturated"
+        return chosen
 
     def ties(self, candidates: Sequence[Backend], request: Request) -> Sequence[Backend]:
         return [self.choose(candidates, request)]

@@ -6,6 +6,7 @@ burst drained over real ZMQ sockets."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -162,4 +163,52 @@ def test_feeds_follow_the_backends_there_are() -> None:
         await until(lambda: not feeds.feeds, 5)
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
+    run(test)
+
+
+def test_a_feed_started_beside_a_running_instance_learns_its_cache_from_the_replay() -> None:
+    """The gateway (re)starts while vLLM already cached prompts: the first replay, from
+    seq 0, rebuilds what it holds; batches published during it are not applied twice and
+    do not look like a restart."""
+    async def test(context: zmq.asyncio.Context) -> None:
+        publisher, index = Publisher(context), Index()
+        feed = Feed("a", index, publisher.endpoint, publisher.replay, context)
+        frames = [publisher.batch(p) for p in chain(4)]  # sent before the gateway was there
+        assert not feed.synced
+        await feed.sync()
+        assert feed.synced and held(index, 4) == 4 and feed.counts.replayed == 4
+        await feed.receive(frames[3])  # the last one again, live: already applied
+        more = [publisher.batch(p) for p in chain(6)[4:]]
+        for frame in more:
+            await feed.receive(frame)
+        assert held(index, 6) == 6 and feed.counts.resets == feed.counts.gaps == 0
+        bare = Feed("b", index, publisher.endpoint, None, context)  # nothing to ask
+        await bare.sync()
+        assert bare.synced and index.blocks("b") == 0
+        await publisher.close()
+    run(test)
+
+
+def test_each_backends_standing_says_whether_its_index_can_be_trusted() -> None:
+    async def test(context: zmq.asyncio.Context) -> None:
+        publisher = Publisher(context)
+        feeds = Feeds(Index())
+        feed = feeds.feeds["a"] = Feed("a", feeds.index, publisher.endpoint, None, context)
+        assert feeds.standing("b") == "estimated"  # no events at all
+        assert feeds.standing("a") == "unsynced"  # not yet in step
+        await feed.sync()
+        assert feeds.standing("a") == "exact"
+        now = time.time()
+        await feed.receive(publisher.batch(encode([stored([1], [1, 2, 3, 4])], ts=now - 5)))
+        assert feeds.standing("a") == "lagging"  # sent 5 s before it arrived
+        await feed.receive(publisher.batch(encode([stored([2], [5, 6, 7, 8], 1)], ts=now)))
+        assert feeds.standing("a") == "exact"
+        later = encode([stored([3], [9, 9, 9, 9])], ts=time.time())
+        await feed.receive([b"kv", (9).to_bytes(8, "big"), later])  # 2 to 8 lost
+        assert feeds.standing("a") == "unsynced"  # for a while: the estimate meanwhile
+        feed.lost_at = None
+        for _ in range(10):
+            feeds.checks.record("a", False)
+        assert feeds.standing("a") == "inexact"
+        await publisher.close()
     run(test)

@@ -13,6 +13,10 @@ import pytest
 
 from gateway.build import Parts
 from gateway.kv.events import decode
+from gateway.kv.feed import Feed, Feeds
+from gateway.kv.index import Index
+from gateway.kv.prefill import PRIOR
+from gateway.request.cache import CacheLookup
 from tests.fakes import FakeUpstream, Reply, always, call, completion
 from tests.gateway.kv.wire import encode, recorded, stored
 from tests.gateway.proxy.test_proxy import A, B, gateway
@@ -32,9 +36,19 @@ def kv_gateway(upstream: FakeUpstream, explain: bool = True) -> Parts:
 
 def holds(parts: Parts, backend: str, blocks: int) -> None:
     """``backend`` said (in vLLM's words) it cached the first ``blocks`` of PROMPT."""
-    assert parts.serving is not None and parts.serving.feeds is not None
-    parts.serving.feeds.index.apply(backend, decode(encode([stored(
+    feeds = fed(parts, backend)
+    feeds.index.apply(backend, decode(encode([stored(
         list(range(1, blocks + 1)), PROMPT[:4 * blocks])])))
+
+
+def fed(parts: Parts, backend: str) -> Feeds:
+    """The gateway's feeds, with one for ``backend`` in step (as after its first replay)."""
+    assert parts.serving is not None and parts.serving.feeds is not None
+    feeds = parts.serving.feeds
+    if backend not in feeds.feeds:
+        feeds.feeds[backend] = feed = Feed(backend, feeds.index, "ipc:///nowhere")
+        feed.synced = True
+    return feeds
 
 
 def served_by(parts: Parts, body: dict[str, Any] = BODY,
@@ -133,4 +147,80 @@ def test_each_feed_is_shown_in_the_metrics() -> None:
     assert value("gateway_kv_feed", backend="a", what="resets") == 1  # no replay endpoint
     assert value("gateway_kv_feed", backend="a", what="batches") == 2
     assert value("gateway_kv_event_age_seconds", backend="b") == -1
-    assert (value("gateway_kv_event_age_seconds", backend="a") or -1) >= 0
+    assert value("gateway_kv_event_age_seconds", backend="a") >= 0
+
+
+LONG = list(range(1, 41))  # 40 tokens: two blocks of 16 before the last token
+
+
+def test_backends_without_events_are_routed_by_what_the_gateway_sent_there() -> None:
+    """No events (a url backend without ``kv_events``): the prompts the gateway sent to a
+    backend count there, so a repeated prefix still finds its instance; the rule that
+    decided is said."""
+    upstream = FakeUpstream({A: always(completion("a")), B: always(completion("b"))},
+                            {A: tokenizer(LONG), B: tokenizer(LONG)})
+    parts = kv_gateway(upstream)
+    assert parts.serving is not None and parts.serving.feeds is not None
+    assert parts.serving.feeds.standing("a") == "estimated"
+    assert [served_by(parts) for _ in range(3)] == ["a:0", "a:32", "a:32"]
+
+    async def rule() -> str:
+        answered = await call(parts.proxy, BODY)
+        return answered.headers["x-gateway-kv-rule"]
+    assert asyncio.run(rule()) == "cached"
+
+
+def test_a_backend_whose_predictions_keep_missing_is_routed_by_the_estimate() -> None:
+    """Its feed is in step but says nothing of what vLLM keeps finding (events lost
+    without a gap, a publisher that stopped): once the guesses of what was sent expire,
+    the index predicts nothing where vLLM finds the prompt; after enough misses the
+    backend is inexact and the estimate predicts it; once the index is right again, it is
+    exact again."""
+    now = [0.0]
+    feeds = Feeds(Index(clock=lambda: now[0]))
+    feeds.feeds["a"] = feed = Feed("a", feeds.index, "ipc:///nowhere")
+    feed.synced = True
+    feeds.index.apply("a", decode(encode([stored([99], [1, 2, 3, 4])])))  # block size 4
+    lookup = CacheLookup(feeds, FakeUpstream(), kv_gateway(FakeUpstream()).pool)
+
+    async def one(found: int) -> int:
+        now[0] += 10  # past the guesses of the one before
+        prediction = lookup.predict(PROMPT, ["a"])
+        prediction.sent("a")
+        prediction.ended("a", found)
+        return prediction.cached.get("a", 0)
+
+    async def main() -> None:
+        assert [await one(8) for _ in range(10)] == [0] * 10  # the index: nothing there
+        assert feeds.standing("a") == "inexact"
+        assert await one(8) == 8  # the estimate: what was sent there
+        feeds.index.apply("a", decode(encode([stored([1, 2], PROMPT[:8])])))  # said at last
+        for _ in range(16):
+            await one(8)
+        assert feeds.standing("a") == "exact"
+    asyncio.run(main())
+
+
+BIG = list(range(1, 201))  # 200 tokens: twelve blocks of 16 before the last token
+
+
+def test_the_prefill_a_backend_has_to_do_counts_until_its_first_byte() -> None:
+    parts = kv_gateway(FakeUpstream())
+    feeds = fed(parts, "a")
+    lookup = CacheLookup(feeds, FakeUpstream(), parts.pool)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        first, second = lookup.predict(BIG, ["a"]), lookup.predict(BIG, ["a"])
+        first.sent("a")
+        second.sent("a")
+        assert feeds.prefill.pending == {"a": 400}
+        # 400 ahead, and 8 of its own: the 192 before them are guessed there (just sent)
+        assert lookup.predict(BIG, ["a"]).cached.waits["a"] == pytest.approx(408 / PRIOR)
+        first.began(loop.time() + 0.01, stream=True)  # 200 tokens in about 10 ms
+        assert feeds.prefill.pending == {"a": 200}
+        assert 15_000 < feeds.prefill.rate("a") <= 20_000
+        second.began(loop.time() + 0.01, stream=False)  # a whole reply: no measurement
+        second.ended("a", None)  # nothing released twice
+        assert feeds.prefill.pending == {} and feeds.prefill.rate("a") <= 20_000
+    asyncio.run(main())

@@ -5,7 +5,7 @@ import dataclasses
 from gateway.routing.hashing import rendezvous
 from gateway.routing.policies import KvAware, PrefixAware, RoundRobin
 from gateway.routing.policies.prefix import prompt_head
-from gateway.types import Request
+from gateway.types import Cached, Request
 from tests.factories import backends as pool
 from tests.factories import request
 
@@ -59,12 +59,33 @@ def test_round_robin_ignores_load() -> None:
 def test_kv_takes_the_longest_cached_prefix_until_its_backend_is_over_its_share() -> None:
     backends = pool(3)
     policy = KvAware(load_factor=1.25)
-    cached = {"b1": 256, "b2": 512}
+    cached = Cached(600)
+    cached.update({"b1": 256, "b2": 512})
     asked = dataclasses.replace(request(), cached=cached)
     assert policy.choose(backends, asked) is backends[2]
+    assert cached.rule == "cached"
     backends[2].in_flight = 4  # over 1.25 x the average (5 in flight with this one, / 3)
     assert policy.choose(backends, asked) is backends[1]  # the next longest prefix
+    assert cached.rule == "saturated"
     backends[1].in_flight = 4
     assert policy.choose(backends, asked) is backends[0]  # the warm ones are full: least
     unknown = dataclasses.replace(request(), cached=None)
     assert policy.choose(backends, unknown) is backends[0]
+    cold = Cached(600)
+    assert policy.choose(backends, dataclasses.replace(request(), cached=cold)) is backends[0]
+    assert cold.rule == "least_loaded"
+
+
+def test_kv_affinity_yields_when_the_warm_backends_prefill_wait_is_longer() -> None:
+    backends = pool(2)
+    policy = KvAware(load_factor=4)  # never saturated here: only the waits decide
+    cached = Cached(2_000)
+    cached.update({"b0": 1_800})
+    # b0 has 200 tokens of the prompt to prefill, b1 all 2,000; at 10,000 tokens/s each:
+    cached.waits.update({"b0": (1_000 + 200) / 10_000, "b1": 2_000 / 10_000})
+    asked = dataclasses.replace(request(), cached=cached)
+    assert policy.choose(backends, asked) is backends[0]  # 0.12 s against 0.2 s
+    assert cached.rule == "cached"
+    cached.waits["b0"] = (3_000 + 200) / 10_000  # 3,000 tokens ahead of it there now
+    assert policy.choose(backends, asked) is backends[1]  # 0.32 s against 0.2 s
+    assert cached.rule == "prefill"

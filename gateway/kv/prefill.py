@@ -1,0 +1,57 @@
+"""Load counted in tokens still to prefill, and each instance's measured prefill rate, so
+that cache affinity yields exactly when it stops paying: a request's expected wait on a
+backend is ``(tokens it still has to prefill + the request's uncached tokens) / its
+rate``. The rate is measured per instance from the streams it served (tokens it had to
+prefill, its own and those ahead of it, over the time to the first byte), not set by
+hand; until an instance has been measured it counts at the others' mean (or ``PRIOR``,
+which then only scales every backend alike).
+"""
+
+from __future__ import annotations
+
+PRIOR = 10_000.0  # tokens/s: only a common scale until a backend is measured
+WEIGH = 0.2  # the weight of each new measurement in the rate (an exponential mean)
+LEAST = 64  # tokens: a measurement of less prefill than this says little of the rate
+
+
+class Prefill:
+    def __init__(self) -> None:
+        self.pending: dict[str, int] = {}  # tokens sent and not yet prefilled, per backend
+        self.rates: dict[str, float] = {}  # measured tokens/s, per backend
+
+    def rate(self, backend: str) -> float:
+        rate = self.rates.get(backend)
+        if rate is not None:
+            return rate
+        return sum(self.rates.values()) / len(self.rates) if self.rates else PRIOR
+
+    def wait(self, backend: str, tokens: int) -> float:
+        """Seconds until ``tokens`` more sent to ``backend`` would be prefilled."""
+        return (self.pending.get(backend, 0) + tokens) / self.rate(backend)
+
+    def start(self, backend: str, tokens: int) -> int:
+        """``tokens`` to prefill were sent to ``backend``; what was ahead of them."""
+        ahead = self.pending.get(backend, 0)
+        self.pending[backend] = ahead + tokens
+        return ahead
+
+    def done(self, backend: str, tokens: int) -> None:
+        """Those tokens are prefilled (the first byte came) or will never be (it ended)."""
+        left = self.pending.get(backend, 0) - tokens
+        if left > 0:
+            self.pending[backend] = left
+        else:
+            self.pending.pop(backend, None)
+
+    def measured(self, backend: str, tokens: int, seconds: float) -> None:
+        """``backend`` prefilled ``tokens`` (a request's and those ahead of it) in
+        ``seconds``, from the sending to the first byte."""
+        if tokens < LEAST or seconds <= 0:
+            return
+        sample = tokens / seconds
+        rate = self.rates.get(backend)
+        self.rates[backend] = sample if rate is None else rate + WEIGH * (sample - rate)
+
+    def drop(self, backend: str) -> None:
+        self.pending.pop(backend, None)
+        self.rates.pop(backend, None)
