@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
+from backends.backend import BackendState
 from backends.supervisor import start_in_turn
 from backends.vllm_metrics import LoadScraper, Nvml
 from gateway.admin.reload import background
@@ -22,6 +23,8 @@ from gateway.config import Config
 from gateway.control.role import Kind
 from gateway.http.server import EVICTED, REFUSED
 from gateway.state.embedded import EmbeddedRedisError, EmbeddedValkey, refuse_to_start
+
+LIVE = (BackendState.READY, BackendState.DRAINING)  # states whose KV cache is followed
 
 log = logging.getLogger("gateway")
 
@@ -141,9 +144,12 @@ class Lifespan:
             loops.append(asyncio.create_task(parts.operators.ops.refresh(), name="gauges"))
         feeds = parts.serving.feeds if parts.serving is not None else None
         if feeds is not None:  # each serving process indexes the events itself (for now)
+            # An instance that went down (it may come back restarted, its cache empty) has
+            # its feed stopped and its blocks dropped; back, its feed starts in step again.
             pool = parts.pool
             loops.append(asyncio.create_task(feeds.run(lambda: {
-                b.name: e for b in pool.backends if (e := b.spec.kv_endpoints) is not None}),
+                b.name: e for b in pool.backends
+                if (e := b.spec.kv_endpoints) is not None and b.state in LIVE}),
                 name="kv-feeds"))
         return loops
 

@@ -7,6 +7,8 @@ prefix, with no session key, land where vLLM holds that prefix: vLLM's own
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,3 +211,31 @@ def test_events_lost_on_the_way_are_replayed_and_routing_stays_exact(
     assert gaps >= 1 and replayed >= 1 and resets == 0
     assert hits(results) == 1.0
     assert exact(results) >= 0.95 * len(results)
+
+
+def test_a_killed_instance_comes_back_empty_and_predictions_stay_exact(
+        gw: Gateway, tmp_path: Path) -> None:
+    """An instance is SIGKILLed and restarted by its supervisor: its KV cache is gone. The
+    gateway in front stops following it while it is down and follows the new process from
+    its first event, so nothing is predicted where vLLM no longer holds it."""
+    front = gateway(gw, tmp_path, "kv")
+    try:
+        ask(front, "kill", range(1), first=0)  # the documents cached on both instances
+        before = status(gw)["v1"]
+        for pid in [int(p) for p in Path(f"/proc/{before['pid']}/task/{before['pid']}"
+                                         "/children").read_text().split()]:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: status(gw)["v1"]["restarts"] == before["restarts"] + 1, 60,
+                 "the crash to be noticed")
+        wait_for(lambda: status(front)["v1"]["state"] == "ready", STARTUP, "v1 back",
+                 every=1.0)
+        wait_for(lambda: metric(front.url, "gateway_kv_standing", backend="v1",
+                                standing="exact") == 1, 30, "v1 followed again")
+        results = ask(front, "kill", range(1, ROUNDS))
+    finally:
+        front.stop()
+    last = results[PREFIXES:]
+    print(f"\nafter a kill: predictions exact {exact(results)}/{len(results)}, last round's "
+          f"hit ratio {hits(last):.2f}")
+    assert exact(results) == len(results)
+    assert hits(last) == 1.0
