@@ -46,8 +46,14 @@ def keys(tokens: Sequence[int], size: int, lora: str | None = None,
     cached, so it has none)."""
     out: list[Key] = []
     key = root(lora)
+    view = memoryview(array("I", tokens[:len(tokens) // size * size]).tobytes())
+    step = size * 4  # bytes of one block's token ids, as ``chain`` hashes them
     for i in range(len(tokens) // size):
-        key = chain(key, tokens[i * size:(i + 1) * size], extras[i] if extras else None)
+        h = hashlib.blake2b(key, digest_size=8)
+        h.update(view[i * step:(i + 1) * step])
+        if extras and extras[i] is not None:
+            h.update(repr(extras[i]).encode())
+        key = h.digest()
         out.append(key)
     return out
 
