@@ -107,7 +107,8 @@ def local(path: str, url: str, model: str, words: int, n: int) -> dict[str, Any]
     if hasattr(ids, "keys"):  # transformers 5: a BatchEncoding
         ids = ids["input_ids"]
     raw, _ = post(url + "/tokenize", {"model": model, "messages": chat(words, n - 1)})
-    return {"local_cpu_ms": round(cpu * 1000, 3), "local_equal": list(ids) == json.loads(raw)["tokens"]}
+    equal = list(ids) == json.loads(raw)["tokens"]
+    return {"local_cpu_ms": round(cpu * 1000, 3), "local_equal": equal}
 
 
 def conversation(url: str, model: str, words: int, pid: int, turns: int) -> dict[str, Any]:

@@ -112,7 +112,8 @@ class CacheLookup:
         """Cached prompt tokens per candidate; None when they can't be known."""
         body = tokenize_body(request.path, request.payload)
         candidates = self._pool.candidates(request.model, group)
-        if body is None or not candidates or "cache_salt" in request.payload:
+        salt = request.payload.get("cache_salt")
+        if body is None or not candidates or not isinstance(salt, str | None):
             self.feeds.lookups["unknown"] += 1
             return None
         self.feeds.lookups["asked"] += 1
@@ -122,10 +123,15 @@ class CacheLookup:
         if tokens is None:
             self.feeds.lookups["unknown"] += 1
             return None
-        return self.predict(tokens, [b.name for b in candidates])
+        card = asked.cards.get(request.model, {})
+        lora = request.model if card.get("parent") else None  # a LoRA adapter's name
+        return self.predict(tokens, [b.name for b in candidates], lora, salt)
 
-    def predict(self, tokens: list[int], names: list[str]) -> Prediction:
-        """What each of ``names`` holds of a prompt of ``tokens``."""
+    def predict(self, tokens: list[int], names: list[str], lora: str | None = None,
+                salt: str | None = None) -> Prediction:
+        """What each of ``names`` holds of a prompt of ``tokens``, asked of LoRA adapter
+        ``lora`` with ``cache_salt`` ``salt``: vLLM keys every block of an adapter's
+        prompt by its name, and the first block by the salt too (its events carry both)."""
         feeds = self.feeds
         index, estimate = feeds.index, feeds.estimate
         prediction = Prediction(feeds, Cached(len(tokens)))
@@ -136,7 +142,10 @@ class CacheLookup:
         for size in set(prediction.sizes.values()):
             # vLLM computes a prompt's last token whatever it holds (a hit is at most
             # len - 1 tokens): a prompt of whole blocks finds one block less.
-            blocks = prediction.blocks[size] = keys(tokens[:-1], size)
+            count = (len(tokens) - 1) // size
+            extras = ([tuple(x for x in (lora, salt if i == 0 else None) if x) or None
+                       for i in range(count)] if lora or salt else None)
+            blocks = prediction.blocks[size] = keys(tokens[:-1], size, lora, extras)
             these = [n for n in names if prediction.sizes[n] == size]
             held = index.match(blocks)
             guessed = estimate.match(blocks, these)  # for all: its cap is tuned meanwhile

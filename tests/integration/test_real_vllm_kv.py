@@ -239,3 +239,23 @@ def test_a_killed_instance_comes_back_empty_and_predictions_stay_exact(
           f"hit ratio {hits(last):.2f}")
     assert exact(results) == len(results)
     assert hits(last) == 1.0
+
+
+def test_a_salted_prompt_is_predicted_under_its_own_salt(kv: Gateway) -> None:
+    """vLLM keys a prompt's first block by its ``cache_salt`` (a tenant's own cache): the
+    same document under the same salt is found and predicted, under another it is not."""
+    client = openai.OpenAI(base_url=kv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    def one(salt: str, r: int) -> tuple[int, int]:
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-llama", max_tokens=2, temperature=0, extra_body={"cache_salt": salt},
+            messages=[{"role": "system", "content": document(0, "salt")},
+                      {"role": "user", "content": f"Question {r}?"}])
+        reply = raw.parse()
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        return (int(raw.headers["x-gateway-cached-tokens"]),
+                reply.usage.prompt_tokens_details.cached_tokens or 0)
+    one("tenant-1", 0)
+    predicted, cached = one("tenant-1", 1)
+    assert predicted == cached >= 2 * BLOCK
+    assert one("tenant-2", 2) == (0, 0)  # the other tenant's cache: nothing, and said so

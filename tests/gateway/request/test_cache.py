@@ -104,7 +104,7 @@ def test_what_cannot_be_known_goes_to_the_least_loaded(case: str) -> None:
     upstream = FakeUpstream({A: always(completion()), B: always(completion())}, tokenizers)
     parts = kv_gateway(upstream)
     holds(parts, "b", 2)
-    body: dict[str, Any] = {**BODY, "cache_salt": "s"} if case == "salted" else BODY
+    body: dict[str, Any] = {**BODY, "cache_salt": 5} if case == "salted" else BODY
     path = "/v1/chat/completions"
     if case == "embeddings":
         body, path = {"model": "m", "input": "hello"}, "/v1/embeddings"
@@ -224,3 +224,25 @@ def test_the_prefill_a_backend_has_to_do_counts_until_its_first_byte() -> None:
         second.ended("a", None)  # nothing released twice
         assert feeds.prefill.pending == {} and feeds.prefill.rate("a") <= 20_000
     asyncio.run(main())
+
+
+def test_a_salted_or_adapted_prompt_matches_only_blocks_of_its_salt_and_adapter() -> None:
+    """vLLM keys a prompt's first block by its ``cache_salt`` and every block by its LoRA
+    adapter, and says both in its events (``extra_keys``, ``lora_name``): a request finds
+    only blocks cached under its own salt and adapter."""
+    parts = kv_gateway(FakeUpstream())
+    feeds = fed(parts, "a")
+    lookup = CacheLookup(feeds, FakeUpstream(), parts.pool)
+    feeds.index.apply("a", decode(encode([stored([1, 2], PROMPT[:8],
+                                                 extra_keys=[["s"], None])])))
+    feeds.index.apply("a", decode(encode([stored([3, 4], PROMPT[:8], lora_name="ad",
+                                                 extra_keys=[["ad", "s"], ["ad"]])])))
+
+    def cached(lora: str | None, salt: str | None) -> int:
+        return lookup.predict(PROMPT, ["a"], lora, salt).cached.get("a", 0)
+    assert cached(None, "s") == 8
+    assert cached(None, "t") == 0  # another tenant's salt
+    assert cached(None, None) == 0
+    assert cached("ad", "s") == 8
+    assert cached("ad", None) == 0
+    assert cached("other", "s") == 0
