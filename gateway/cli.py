@@ -102,7 +102,7 @@ def _check(args: argparse.Namespace) -> int:
     if config.routing.policy == "kv":  # which backends the kv policy sees exactly
         for spec in config.backends:
             how = ("exact: its KV events" if spec.kv_endpoints is not None else
-                   "estimated: no KV events (kv_events), routed by load")
+                   "estimated: no KV events (kv_events), routed by what the gateway sent it")
             print(f"  {spec.name}: {how}")
     return 0
 

@@ -235,5 +235,5 @@ def test_check_says_which_backends_the_kv_policy_sees_exactly(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         f"{path}: OK (3 backends)", "  s: exact: its KV events",
-        "  u: estimated: no KV events (kv_events), routed by load",
+        "  u: estimated: no KV events (kv_events), routed by what the gateway sent it",
         "  e: exact: its KV events"]
