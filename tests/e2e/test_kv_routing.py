@@ -90,6 +90,10 @@ def test_prompts_go_where_their_prefix_is_cached_and_the_prediction_holds(
         results = ask(kv, 7, 3)
         assert all(r["cached"] >= 8 * BLOCK for r in results)  # each found its document
         assert exact(results) == len(results)
+        shown = {b["name"]: b["kv"] for b in httpx.get(kv.url + "/dashboard/data").json()
+                 ["backends"]}  # what the status page shows, per backend
+        assert {row["standing"] for row in shown.values()} == {"exact"}
+        assert sum(row["blocks"] for row in shown.values()) >= 7 * 8
         rr = gateway(tmp_path, sockets, "a", group, policy="round_robin")
         try:  # other documents: 7 of them over 3 backends, each round elsewhere
             spread = ask(rr, 7, 3, first=100)
