@@ -224,6 +224,7 @@ async def arm(session: aiohttp.ClientSession, name: str, url: str | None, seed: 
     predicted = [r for r in ok if "predicted" in r and r.get("cached") is not None]
     if predicted:
         result["kv_replies"] = len(predicted)
+        result["kv_no_header"] = len(ok) - len(predicted)
         result["kv_exact"] = sum(r["predicted"] == r["cached"] for r in predicted)
         result["kv_over"] = sum(r["predicted"] > r["cached"] for r in predicted)
         result["kv_under"] = sum(r["predicted"] < r["cached"] for r in predicted)
@@ -245,12 +246,13 @@ async def main_async(args: argparse.Namespace) -> None:
         sys_words = max(10, round(args.sys_tokens / ratio))
         print(json.dumps({"tokens_per_word": round(ratio, 3), "sys_words": sys_words}),
               flush=True)
-        if args.warmup:  # each instance: a few short requests of their own, unmeasured
+        if args.warmup:  # each instance, then each proxy: short unique requests, unmeasured
             rng = random.Random(1)
-            await asyncio.gather(*(one(session, b, args.model, [
-                {"role": "system", "content": words(rng, 200)},
-                {"role": "user", "content": words(rng, 10)}], args.max_tokens)
-                for b in instances for _ in range(args.warmup)))
+            for group in (instances, [u for _, u in targets if u]):
+                await asyncio.gather(*(one(session, b, args.model, [
+                    {"role": "system", "content": words(rng, 200)},
+                    {"role": "user", "content": words(rng, 10)}], args.max_tokens)
+                    for b in group for _ in range(args.warmup)))
         for k, (name, url) in enumerate(targets):
             result = await arm(session, name, url, args.seed_base + k, args, instances,
                                sys_words, pids.get(name), args.requests)
@@ -276,7 +278,8 @@ def summary(path: str) -> None:
         if "kv_replies" in r:
             print(f"\n{r['arm']}: x-gateway-cached-tokens == usage cached_tokens on "
                   f"{r['kv_exact']} / {r['kv_replies']} replies (over {r['kv_over']}, under "
-                  f"{r['kv_under']}); x-gateway-kv-rule: {json.dumps(r['kv_rules'])}")
+                  f"{r['kv_under']}; {r.get('kv_no_header', 0)} ok replies without the header); "
+                  f"x-gateway-kv-rule: {json.dumps(r['kv_rules'])}")
         if r.get("error_samples"):
             print(f"{r['arm']} errors, e.g.: {r['error_samples']}")
 

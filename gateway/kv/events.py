@@ -11,6 +11,7 @@ nothing of a bad batch is applied.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,7 @@ class Stored:
 
     hashes: tuple[BlockHash, ...]
     parent: BlockHash | None  # the block before the first; None from the prompt's start
-    tokens: tuple[int, ...]
+    tokens: array[int]  # 32-bit ids, as the index hashes them
     size: int
     lora: str | None
     extra: tuple[object, ...] | None  # one entry per block (LoRA, media, cache_salt)
@@ -127,15 +128,17 @@ def _stored(fields: dict[str, Any]) -> Stored:
     size = fields.get("block_size")
     if type(size) is not int or not 0 < size <= MAX_BLOCK_SIZE:
         raise BadEvents("block_size is not a block size")
-    tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
+    raw = fields.get("token_ids")
+    if not isinstance(raw, list) or len(raw) != len(hashes) * size:
         raise BadEvents("token_ids do not fill the blocks")
-    if not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
-        raise BadEvents("token_ids are not token ids")
+    try:  # C's check of every id at once: an int from 0 to 2**32 - 1
+        tokens = array("I", raw)
+    except (TypeError, OverflowError):
+        raise BadEvents("token_ids are not token ids") from None
     extra = fields.get("extra_keys")
     if extra is not None and (not isinstance(extra, list) or len(extra) != len(hashes)):
         raise BadEvents("extra_keys is not one entry per block")
-    return Stored(hashes, parent, tuple(tokens), size, _text(fields.get("lora_name")),
+    return Stored(hashes, parent, tokens, size, _text(fields.get("lora_name")),
                   tuple(_frozen(e) for e in extra) if extra is not None else None,
                   _text(fields.get("medium")))
 

@@ -33,8 +33,13 @@ def root(lora: str | None = None) -> Key:
 
 def chain(parent: Key, tokens: Sequence[int], extra: object = None) -> Key:
     """One block's key from its parent's, its token ids and its extra key."""
+    return _chain(parent, array("I", tokens).tobytes(), extra)
+
+
+def _chain(parent: Key, ids: bytes | memoryview, extra: object) -> Key:
+    """``chain`` of a block's token ids as 32-bit machine words."""
     h = hashlib.blake2b(parent, digest_size=8)
-    h.update(array("I", tokens).tobytes())
+    h.update(ids)
     if extra is not None:
         h.update(repr(extra).encode())
     return h.digest()
@@ -49,11 +54,7 @@ def keys(tokens: Sequence[int], size: int, lora: str | None = None,
     view = memoryview(array("I", tokens[:len(tokens) // size * size]).tobytes())
     step = size * 4  # bytes of one block's token ids, as ``chain`` hashes them
     for i in range(len(tokens) // size):
-        h = hashlib.blake2b(key, digest_size=8)
-        h.update(view[i * step:(i + 1) * step])
-        if extras and extras[i] is not None:
-            h.update(repr(extras[i]).encode())
-        key = h.digest()
+        key = _chain(key, view[i * step:(i + 1) * step], extras[i] if extras else None)
         out.append(key)
     return out
 
@@ -174,10 +175,10 @@ class Index:
                 self.counts.orphans += 1
                 return
             key = parent
-        size = event.size
+        view, step = memoryview(event.tokens).cast("B"), event.size * 4
         for i, block in enumerate(event.hashes):
             extra = event.extra[i] if event.extra is not None else None
-            key = chain(key, event.tokens[i * size:(i + 1) * size], extra)
+            key = _chain(key, view[i * step:(i + 1) * step], extra)
             stale = self._stale.get(key)
             if stale is not None:
                 stale.discard(backend)  # stored again: what the events say holds

@@ -6,6 +6,8 @@ prompts) and on hostile ones."""
 
 from __future__ import annotations
 
+from array import array
+
 import msgspec
 import pytest
 
@@ -91,7 +93,8 @@ def test_the_array_forms_decode_alike() -> None:
     as_map = msgspec.msgpack.encode({"ts": 1.0, "events": [event],
                                      "data_parallel_rank": 0})
     batch = decode(as_map)
-    assert batch == Batch(1.0, (Stored((7,), None, (1, 2, 3, 4), 4, None, None, "GPU"),), 0)
+    assert batch == Batch(1.0, (Stored((7,), None, array("I", [1, 2, 3, 4]), 4, None, None,
+                                       "GPU"),), 0)
     removed = decode(msgspec.msgpack.encode([1.0, [["BlockRemoved", [7], "GPU"]]]))
     assert removed.events == (Removed((7,), "GPU"),)
     assert decode(encode([{"type": "AllBlocksCleared"}])).events == (Cleared(),)
