@@ -259,3 +259,69 @@ def test_a_salted_prompt_is_predicted_under_its_own_salt(kv: Gateway) -> None:
     predicted, cached = one("tenant-1", 1)
     assert predicted == cached >= 2 * BLOCK
     assert one("tenant-2", 2) == (0, 0)  # the other tenant's cache: nothing, and said so
+
+
+HEADER = "You are the archive's assistant. " + " ".join(
+    f"Rule {i}: answer from the document, briefly, and never invent a source."
+    for i in range(8))  # about 2 blocks, and more than the prefix policy's 512 characters
+FILES = 55  # odd: round robin sends a file to the other instance each round
+
+
+def filed(k: int, tag: str) -> str:
+    """The shared header (2 blocks), then 4 blocks of one file's own pages: about 800
+    tokens with the question. 55 files are 222 blocks: 1.7 times one cache (128), and
+    less than two (vLLM evicts a request's last blocks first, so a cache only a little
+    too small still finds most of each file)."""
+    return HEADER + "\n\n" + " ".join(
+        f"Page {i} of file {tag}-{k} records that the harbour froze in winter."
+        for i in range(16))
+
+
+def vllm_hits(gw: Gateway) -> tuple[float, float]:
+    """vLLM's own prefix-cache counters, summed over the package's instances."""
+    hits = queries = 0.0
+    for backend in status(gw).values():
+        text = httpx.get(backend["url"] + "/metrics", timeout=30).text
+        for line in text.splitlines():
+            if line.startswith("vllm:prefix_cache_hits_total"):
+                hits += float(line.split()[-1])
+            elif line.startswith("vllm:prefix_cache_queries_total"):
+                queries += float(line.split()[-1])
+    return hits, queries
+
+
+def hit_ratio(gw: Gateway, front: Gateway, tag: str) -> float:
+    """``FILES`` files behind one shared header, each asked in 3 rounds, no session key;
+    vLLM's own hit ratio over them. Each instance caches 128 blocks: all the files fit in
+    two caches, not in one."""
+    client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    hits, queries = vllm_hits(gw)
+    for r in range(ROUNDS):
+        for k in range(FILES):
+            client.chat.completions.create(
+                model="tiny-llama", max_tokens=1, temperature=0,
+                messages=[{"role": "system", "content": filed(k, tag)},
+                          {"role": "user", "content": f"Question {r}: when did it freeze?"}])
+    after_hits, after_queries = vllm_hits(gw)
+    return (after_hits - hits) / (after_queries - queries)
+
+
+def test_vllms_own_hit_ratio_is_higher_with_kv_than_with_round_robin_and_prefix(
+        kv: Gateway, gw: Gateway, tmp_path: Path) -> None:
+    """The issue's comparison on vLLM's own counters: a header all prompts share (so the
+    prefix policy's hash of the first 512 characters sends every file to one instance,
+    whose cache then cycles), files that fit only in both caches together (round robin
+    puts every file on both)."""
+    ratios = {"kv": hit_ratio(gw, kv, "ckv")}
+    for policy in ("round_robin", "prefix"):
+        (tmp_path / policy).mkdir()
+        front = gateway(gw, tmp_path / policy, policy)
+        try:
+            ratios[policy] = hit_ratio(gw, front, "c" + policy[:2])
+        finally:
+            front.stop()
+    print("\nvLLM's prefix-cache hit ratio: " + ", ".join(f"{p} {r:.3f}"
+                                                          for p, r in ratios.items()))
+    assert ratios["kv"] > ratios["round_robin"]
+    assert ratios["kv"] > ratios["prefix"]

@@ -17,6 +17,9 @@ SMALL = REPO / "models" / "tiny-llama-small"  # another model: other weights, sm
 STARTUP = 600
 # The Responses API keeps stored responses only with this on (vLLM 0.32, vllm/envs.py).
 ENV = 'VLLM_CPU_KVCACHE_SPACE = "1", VLLM_ENABLE_RESPONSES_API_STORE = "1"'
+# A KV cache small enough to evict (issue 38): 128 blocks of 128 tokens, 16,384 tokens, so
+# 16 requests of max_model_len (1,024) still fit at once.
+BLOCKS = 128
 
 
 def vllm_backend(name: str, core: int, model: Path = MODEL, served: str = "tiny-llama") -> str:
@@ -28,7 +31,8 @@ model = "{model}"
 served_model_name = "{served}"
 port = {free_port()}
 python = "{PYTHON}"
-args = ["--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager"]
+args = ["--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager",
+        "--num-gpu-blocks-override", "{BLOCKS}"]
 env = {{ {ENV}, VLLM_CPU_OMP_THREADS_BIND = "{core}" }}
 startup_timeout = {STARTUP}
 kv_events = true

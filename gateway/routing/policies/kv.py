@@ -9,7 +9,9 @@ whose prediction is unknown, goes to the least loaded.
 
 The rule that decided is written on the prediction: ``cached`` (the longest cached
 prefix), ``prefill`` (a warmer instance would have made it wait longer), ``saturated``
-(every warmer instance is over its share), ``least_loaded`` (nothing cached anywhere).
+(every warmer instance is over its share), ``least_loaded`` (nothing cached anywhere),
+``short_prefix`` (less than half of the prompt cached anywhere: a shared preamble, not
+this prompt: spread as least_loaded).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Sequence
 from backends.backend import Backend
 from gateway.routing.policies.least_loaded import LeastLoaded
 from gateway.types import Request
+
+SHORT = 0.5  # a cached prefix under this share of the prompt draws no affinity
 
 
 class KvAware:
@@ -34,12 +38,24 @@ class KvAware:
             if cached is not None:
                 cached.rule = "least_loaded"
             return self._least.choose(candidates, request)
+        if best < SHORT * cached.tokens:
+            # Only a preamble is cached (a shared system prompt's head, a template): the
+            # prompt's own content is new, and following the preamble would pile every new
+            # prompt onto one instance's cache. Spread instead; a prompt seen before is
+            # then found where it went.
+            cached.rule = "short_prefix"
+            return self._least.choose(candidates, request)
         total = sum(b.in_flight for b in candidates) + 1
         cap = math.ceil(total * self._factor / len(candidates))
         open_ = [b for b in candidates if b.in_flight < cap] or list(candidates)
         waits = cached.waits
-        chosen = min(open_, key=lambda b: (waits.get(b.name, 0.0), -cached.get(b.name, 0),
-                                           b.in_flight))
+
+        def rank(b: Backend) -> tuple[float, int, int]:
+            return waits.get(b.name, 0.0), -cached.get(b.name, 0), b.in_flight
+        first = min(rank(b) for b in open_)
+        tied = [b for b in open_ if rank(b) == first]
+        # Equally good (a prefix they all hold, nothing pending): rotated, as least_loaded.
+        chosen = tied[0] if len(tied) == 1 else self._least.choose(tied, request)
         if cached.get(chosen.name, 0) == best:
             cached.rule = "cached"
         elif any(cached.get(b.name, 0) == best for b in open_):

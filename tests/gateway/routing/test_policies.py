@@ -89,3 +89,31 @@ def test_kv_affinity_yields_when_the_warm_backends_prefill_wait_is_longer() -> N
     cached.waits["b0"] = (3_000 + 200) / 10_000  # 3,000 tokens ahead of it there now
     assert policy.choose(backends, asked) is backends[1]  # 0.32 s against 0.2 s
     assert cached.rule == "prefill"
+
+
+def test_kv_rotates_among_candidates_that_hold_the_same_prefix() -> None:
+    """A prefix every backend holds equally, nothing pending: the requests spread as
+    least_loaded's do instead of all going to the first."""
+    backends = pool(2)
+    policy = KvAware(load_factor=1.25)
+    names = []
+    for _ in range(4):
+        cached = Cached(200)
+        cached.update({"b0": 128, "b1": 128})
+        names.append(policy.choose(backends, dataclasses.replace(request(), cached=cached)).name)
+        assert cached.rule == "cached"
+    assert sorted(names) == ["b0", "b0", "b1", "b1"]
+
+
+def test_kv_spreads_prompts_of_which_only_a_short_preamble_is_cached() -> None:
+    """A shared system prompt's first block is all that is cached of a new document: the
+    document goes where least_loaded sends it, not onto the preamble's instance."""
+    backends = pool(2)
+    policy = KvAware(load_factor=1.25)
+    names = []
+    for _ in range(4):
+        cached = Cached(900)
+        cached.update({"b0": 128})  # a seventh of the prompt, on one backend only
+        names.append(policy.choose(backends, dataclasses.replace(request(), cached=cached)).name)
+        assert cached.rule == "short_prefix"
+    assert sorted(names) == ["b0", "b0", "b1", "b1"]
