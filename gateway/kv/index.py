@@ -120,6 +120,11 @@ class Index:
         for key in keys:
             self._guesses.setdefault(key, {})[backend] = until
 
+    def unguess(self, backend: str, keys: Sequence[Key]) -> None:
+        """The prompt guessed on ``backend`` never reached it (its attempt failed)."""
+        for key in keys:
+            self._unguess(key, backend)
+
     def found(self, backend: str, keys: Sequence[Key], blocks: int) -> None:
         """vLLM found only the first ``blocks`` of a prompt's ``keys`` on ``backend``: the
         rest are not there, whatever the index believed."""

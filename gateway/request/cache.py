@@ -66,6 +66,8 @@ class Prediction:
     _at = 0.0
 
     def sent(self, backend: str) -> None:
+        if self._on is not None:  # the attempt before failed: its guess goes
+            self.feeds.index.unguess(self._on, self._of(self._on))
         self._release()
         keys = self._of(backend)
         self.feeds.index.guess(backend, keys)

@@ -246,3 +246,21 @@ def test_a_salted_or_adapted_prompt_matches_only_blocks_of_its_salt_and_adapter(
     assert cached("ad", "s") == 8
     assert cached("ad", None) == 0
     assert cached("other", "s") == 0
+
+
+def test_a_failed_attempts_guess_is_taken_back() -> None:
+    """An attempt on a that failed before its first byte, then b: the prompt is guessed
+    on b only (a never cached it)."""
+    parts = kv_gateway(FakeUpstream())
+    feeds = fed(parts, "a")
+    fed(parts, "b")
+    lookup = CacheLookup(feeds, FakeUpstream(), parts.pool)
+
+    async def main() -> None:
+        prediction = lookup.predict(BIG, ["a", "b"])
+        prediction.sent("a")
+        assert lookup.predict(BIG, ["a", "b"]).cached == {"a": 192}
+        prediction.sent("b")  # the retry
+        assert lookup.predict(BIG, ["a", "b"]).cached == {"b": 192}
+        assert feeds.prefill.pending == {"b": 200}
+    asyncio.run(main())
