@@ -27,6 +27,7 @@ class Reply:
     headers: Headers = field(default_factory=lambda: list(JSON))
     chunks: list[bytes] = field(default_factory=list)
     cut: bool = False
+    hang: bool = False  # after the chunks, nothing more: neither an end nor a break
 
     @classmethod
     def json(cls, status: int, body: dict[str, Any]) -> Reply:
@@ -52,6 +53,7 @@ class FakeResponse:
         self.headers = list(reply.headers)
         self._chunks = list(reply.chunks)
         self._cut = reply.cut
+        self._hang = reply.hang
         self.closed: bool | None = None  # reuse=..., once closed
 
     async def read(self) -> bytes:
@@ -59,6 +61,8 @@ class FakeResponse:
             return self._chunks.pop(0)
         if self._cut:
             raise UpstreamBroken("connection lost mid-reply")
+        if self._hang:
+            await asyncio.Event().wait()
         return b""
 
     async def aclose(self, reuse: bool) -> None:

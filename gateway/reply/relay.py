@@ -195,6 +195,13 @@ class Relay:
                         ticket.backend.name, exc)
         except asyncio.CancelledError:
             if not deadline.absorb():
+                # The client went away, perhaps as soon as it read the last event (an SDK
+                # closes at `[DONE]`, before the reply's own end): what it was sent counts.
+                tail = tap.before + tap.last
+                record.usage = (rewrite.usage if rewrite is not None else None) or usage_of(
+                    tail)
+                if record.request.cached is not None:
+                    record.cached = cached_of(tail)
                 raise
             tap.cause = StreamCause.STALLED
         finally:
