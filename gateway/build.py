@@ -241,7 +241,8 @@ def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary:
     tally = Tally(metrics, canary).attempt
     shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
     lookup = Lookup(link, router.store, arms.store, canary, responses, gate, router.made)
-    feeds = Feeds(Index()) if config.routing.policy == "kv" else None
+    feeds = (Feeds(Index(), processes=config.gateway.processes)
+             if config.routing.policy == "kv" else None)
     cache = CacheLookup(feeds, upstream, pool) if feeds is not None else None
     plans = Planner(router, queue, arms, canary, shadow, lookup, pool, config.upstream,
                     metrics, tracer, tally, cache)

@@ -199,11 +199,11 @@ class Feeds:
     the index, the estimate, the checks of the index's predictions, and the prefill
     still to do (``standing`` says which of index and estimate a backend is routed by)."""
 
-    def __init__(self, index: Index, every: float = 1.0) -> None:
+    def __init__(self, index: Index, every: float = 1.0, processes: int = 1) -> None:
         self.index = index
         self.estimate = Estimate()
         self.checks = Checks()
-        self.prefill = Prefill()
+        self.prefill = Prefill(processes)
         self.lookups = {"asked": 0, "unknown": 0}  # requests tokenized, and not
         self.feeds: dict[str, Feed] = {}
         self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}

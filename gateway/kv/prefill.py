@@ -15,7 +15,12 @@ LEAST = 64  # tokens: a measurement of less prefill than this says little of the
 
 
 class Prefill:
-    def __init__(self) -> None:
+    """``scale``: the serving processes that share the instances. Each process sees only
+    its own requests, about 1/``scale`` of them: what it holds pending is counted
+    ``scale`` times, in waits and in measurements alike."""
+
+    def __init__(self, scale: int = 1) -> None:
+        self.scale = scale
         self.pending: dict[str, int] = {}  # tokens sent and not yet prefilled, per backend
         self.rates: dict[str, float] = {}  # measured tokens/s, per backend
 
@@ -27,13 +32,14 @@ class Prefill:
 
     def wait(self, backend: str, tokens: int) -> float:
         """Seconds until ``tokens`` more sent to ``backend`` would be prefilled."""
-        return (self.pending.get(backend, 0) + tokens) / self.rate(backend)
+        return (self.scale * self.pending.get(backend, 0) + tokens) / self.rate(backend)
 
     def start(self, backend: str, tokens: int) -> int:
-        """``tokens`` to prefill were sent to ``backend``; what was ahead of them."""
+        """``tokens`` to prefill were sent to ``backend``; what was ahead of them (of all
+        the processes', as ``scale`` estimates it)."""
         ahead = self.pending.get(backend, 0)
         self.pending[backend] = ahead + tokens
-        return ahead
+        return self.scale * ahead
 
     def done(self, backend: str, tokens: int) -> None:
         """Those tokens are prefilled (the first byte came) or will never be (it ended)."""

@@ -21,7 +21,7 @@ def make_policy(settings: RoutingSection, name: str | None = None) -> Policy:
     if name == "prefix":
         return PrefixAware(settings.prefix_chars, settings.bounded_load_factor)
     if name == "kv":
-        return KvAware(settings.bounded_load_factor)
+        return KvAware()
     raise ValueError(f"unknown policy {name!r}")
 
 

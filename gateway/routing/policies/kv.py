@@ -1,22 +1,21 @@
-"""Cache-aware (issue 38): among the candidates that are not saturated (bounded load, as
-``prefix``: fewer in flight than ``factor`` x the average), the one where the request's
-prefill would end first: its expected wait is the tokens still to prefill there (in
-flight, and the request's own that it does not hold cached) over its measured prefill
-rate (``Request.cached.waits``, from ``gateway.kv.prefill``). So the longest cached prefix
-wins while its instance keeps up, and affinity yields exactly when the warm instance's
-extra wait would exceed what its cache saves. A request with nothing cached anywhere, or
-whose prediction is unknown, goes to the least loaded.
+"""Cache-aware (issue 38): among the candidates that are not saturated (``saturated``: at
+their capacity, or vLLM queueing), the one where the request's prefill would end first:
+its expected wait is the tokens still to prefill there (in flight, and the request's own
+that it does not hold cached) over its measured prefill rate (``Request.cached.waits``,
+from ``gateway.kv.prefill``). So the longest cached prefix wins while its instance keeps
+up, and affinity yields exactly when the warm instance's extra wait would exceed what its
+cache saves. A request with nothing cached anywhere, or whose prediction is unknown, goes
+to the least loaded.
 
 The rule that decided is written on the prediction: ``cached`` (the longest cached
 prefix), ``prefill`` (a warmer instance would have made it wait longer), ``saturated``
-(every warmer instance is over its share), ``least_loaded`` (nothing cached anywhere),
+(every warmer instance is full), ``least_loaded`` (nothing cached anywhere),
 ``short_prefix`` (less than half of the prompt cached anywhere: a shared preamble, not
 this prompt: spread as least_loaded).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from backends.backend import Backend
@@ -26,9 +25,20 @@ from gateway.types import Request
 SHORT = 0.5  # a cached prefix under this share of the prompt draws no affinity
 
 
+def saturated(backend: Backend) -> bool:
+    """Full as the instance itself says: as many in flight as its ``capacity``, or vLLM
+    keeping requests waiting that it cannot batch (its scraped ``num_requests_waiting``).
+    A count of requests against the others' is no measure: a few in flight are nothing to
+    a batch of hundreds, and spilling a prompt copies it into a second cache, which evicts
+    others' (measured on the H100: `docs/BENCHMARKS.md`)."""
+    if backend.capacity and backend.in_flight >= backend.capacity:
+        return True
+    load = backend.load
+    return load is not None and load.waiting > 0
+
+
 class KvAware:
-    def __init__(self, load_factor: float) -> None:
-        self._factor = load_factor
+    def __init__(self) -> None:
         self._least = LeastLoaded()
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend:
@@ -45,9 +55,7 @@ class KvAware:
             # then found where it went.
             cached.rule = "short_prefix"
             return self._least.choose(candidates, request)
-        total = sum(b.in_flight for b in candidates) + 1
-        cap = math.ceil(total * self._factor / len(candidates))
-        open_ = [b for b in candidates if b.in_flight < cap] or list(candidates)
+        open_ = [b for b in candidates if not saturated(b)] or list(candidates)
         waits = cached.waits
 
         def rank(b: Backend) -> tuple[float, int, int]:

@@ -87,3 +87,10 @@ def test_a_wait_is_the_prefill_ahead_and_its_own_over_the_measured_rate() -> Non
     prefill.done("a", 3_000)
     prefill.done("a", 5_000)  # more than it holds (a restart forgot some): none left
     assert prefill.pending == {}
+
+
+def test_each_process_counts_what_it_holds_pending_for_all_of_them() -> None:
+    prefill = Prefill(scale=4)  # four serving processes, each sees about a quarter
+    prefill.start("a", 1_000)
+    assert prefill.start("a", 500) == 4_000  # ahead of it, over all four
+    assert prefill.wait("a", 100) == pytest.approx((4 * 1_500 + 100) / PRIOR)

@@ -215,8 +215,11 @@ def test_the_prefill_a_backend_has_to_do_counts_until_its_first_byte() -> None:
         first.sent("a")
         second.sent("a")
         assert feeds.prefill.pending == {"a": 400}
-        # 400 ahead, and 8 of its own: the 192 before them are guessed there (just sent)
-        assert lookup.predict(BIG, ["a"]).cached.waits["a"] == pytest.approx(408 / PRIOR)
+        # 400 ahead (this process's: counted for each of its processes), and 8 of its
+        # own: the 192 before them are guessed there (just sent)
+        scale = feeds.prefill.scale
+        assert lookup.predict(BIG, ["a"]).cached.waits["a"] == pytest.approx(
+            (scale * 400 + 8) / PRIOR)
         first.began(loop.time() + 0.01, stream=True)  # 200 tokens in about 10 ms
         assert feeds.prefill.pending == {"a": 200}
         assert 15_000 < feeds.prefill.rate("a") <= 20_000

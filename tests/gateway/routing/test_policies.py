@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from backends.backend import LoadReport
 from gateway.routing.hashing import rendezvous
 from gateway.routing.policies import KvAware, PrefixAware, RoundRobin
 from gateway.routing.policies.prefix import prompt_head
@@ -56,18 +57,19 @@ def test_round_robin_ignores_load() -> None:
     assert sorted(names) == ["b0", "b0", "b1", "b1", "b2", "b2"]
 
 
-def test_kv_takes_the_longest_cached_prefix_until_its_backend_is_over_its_share() -> None:
+def test_kv_takes_the_longest_cached_prefix_until_its_backend_is_full() -> None:
     backends = pool(3)
-    policy = KvAware(load_factor=1.25)
+    policy = KvAware()
     cached = Cached(600)
     cached.update({"b1": 256, "b2": 512})
     asked = dataclasses.replace(request(), cached=cached)
+    backends[2].in_flight = 3  # more than the others: nothing to a batch of hundreds
     assert policy.choose(backends, asked) is backends[2]
     assert cached.rule == "cached"
-    backends[2].in_flight = 4  # over 1.25 x the average (5 in flight with this one, / 3)
+    backends[2].capacity = 3  # at the capacity the gateway holds it to
     assert policy.choose(backends, asked) is backends[1]  # the next longest prefix
     assert cached.rule == "saturated"
-    backends[1].in_flight = 4
+    backends[1].load = LoadReport(running=256, waiting=3)  # vLLM queues what it can't batch
     assert policy.choose(backends, asked) is backends[0]  # the warm ones are full: least
     unknown = dataclasses.replace(request(), cached=None)
     assert policy.choose(backends, unknown) is backends[0]
@@ -78,7 +80,7 @@ def test_kv_takes_the_longest_cached_prefix_until_its_backend_is_over_its_share(
 
 def test_kv_affinity_yields_when_the_warm_backends_prefill_wait_is_longer() -> None:
     backends = pool(2)
-    policy = KvAware(load_factor=4)  # never saturated here: only the waits decide
+    policy = KvAware()
     cached = Cached(2_000)
     cached.update({"b0": 1_800})
     # b0 has 200 tokens of the prompt to prefill, b1 all 2,000; at 10,000 tokens/s each:
@@ -95,7 +97,7 @@ def test_kv_rotates_among_candidates_that_hold_the_same_prefix() -> None:
     """A prefix every backend holds equally, nothing pending: the requests spread as
     least_loaded's do instead of all going to the first."""
     backends = pool(2)
-    policy = KvAware(load_factor=1.25)
+    policy = KvAware()
     names = []
     for _ in range(4):
         cached = Cached(200)
@@ -109,7 +111,7 @@ def test_kv_spreads_prompts_of_which_only_a_short_preamble_is_cached() -> None:
     """A shared system prompt's first block is all that is cached of a new document: the
     document goes where least_loaded sends it, not onto the preamble's instance."""
     backends = pool(2)
-    policy = KvAware(load_factor=1.25)
+    policy = KvAware()
     names = []
     for _ in range(4):
         cached = Cached(900)
