@@ -84,10 +84,10 @@ setup() {
     --api-server-count "$API_SERVERS" > "$W/logs/vllm.log" 2>&1 < /dev/null &
   echo $! > "$W/vllm.pid"
   shipped 9000 valkey > "$W/gateway.toml"
-  env $GWENV $PY -m gateway check --config "$W/gateway.toml" || exit 5
+  env -C "$GATEWAY_SRC" $GWENV $PY -m gateway check --config "$W/gateway.toml" || exit 5
   if [ -n "${NOSTICKY:-}" ]; then
     shipped 9001 valkey-ns | sed 's/^\[routing\]/[routing]\nsticky = false/' > "$W/gateway-ns.toml"
-    env $GWENV $PY -m gateway check --config "$W/gateway-ns.toml" || exit 5
+    env -C "$GATEWAY_SRC" $GWENV $PY -m gateway check --config "$W/gateway-ns.toml" || exit 5
   fi
   cat > "$W/nginx.conf" <<NGINX
 worker_processes auto;
@@ -110,8 +110,8 @@ NGINX
   /tmp/nginx/usr/sbin/nginx -c "$W/nginx.conf" -p "$W" -e stderr || exit 6
   wait_http http://127.0.0.1:8001/health 600 || { tail -30 "$W/logs/vllm.log"; exit 7; }
   echo "vLLM ready after $(( $(date +%s) - t0 )) s, API servers: $(api_server_pids)"
-  env $GWENV setsid nohup $PY -m gateway serve --config "$W/gateway.toml" > "$W/logs/gateway.log" 2>&1 < /dev/null &
-  [ -n "${NOSTICKY:-}" ] && env $GWENV setsid nohup $PY -m gateway serve --config "$W/gateway-ns.toml" \
+  env -C "$GATEWAY_SRC" $GWENV setsid nohup $PY -m gateway serve --config "$W/gateway.toml" > "$W/logs/gateway.log" 2>&1 < /dev/null &
+  [ -n "${NOSTICKY:-}" ] && env -C "$GATEWAY_SRC" $GWENV setsid nohup $PY -m gateway serve --config "$W/gateway-ns.toml" \
     > "$W/logs/gateway-ns.log" 2>&1 < /dev/null &
   PYTHONPATH=/tmp/router:$PYTHONPATH setsid nohup $PY -m vllm_router.launch_router --host 127.0.0.1 --port 9200 \
     --worker-urls http://127.0.0.1:8001 --policy round_robin > "$W/logs/router.log" 2>&1 < /dev/null &
