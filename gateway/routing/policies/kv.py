@@ -1,8 +1,8 @@
 """Cache-aware (issue 38): among the candidates that are not saturated (``saturated``: at
 their capacity, or vLLM queueing), the one where the request's prefill would end first:
 its expected wait is the tokens still to prefill there (in flight, and the request's own
-that it does not hold cached) over its measured prefill rate (``Request.cached.waits``,
-from ``gateway.kv.prefill``). So the longest cached prefix wins while its instance keeps
+that it does not hold cached) over its measured prefill rate (``Request.cached.waits``, as
+``gateway.kv.prefill`` reckons them). So the longest cached prefix wins while its instance keeps
 up, and affinity yields exactly when the warm instance's extra wait would exceed what its
 cache saves. A request with nothing cached anywhere, or whose prediction is unknown, goes
 to the least loaded.

@@ -13,9 +13,9 @@
 # Run from the repo root after .gpu/install.sh (vLLM), each phase unpiped (`> file 2>&1`:
 # the detached servers inherit the output):
 #
-#   bash bench/gpu/kv.sh setup    # = instances (model, 4 vLLM) + gateways (.whl, 4 gateways)
-#   bash bench/gpu/kv.sh load     # vllm-router (.whl/router), the arms -> $OUT/kv.jsonl
-#   bash bench/gpu/kv.sh report   # the table, KV sizes vLLM logged, gateway warnings
+#   bash bench/gpu/cache_routing.sh setup    # = instances (model, 4 vLLM) + gateways (.whl, 4 gateways)
+#   bash bench/gpu/cache_routing.sh load     # vllm-router (.whl/router), the arms -> $OUT/kv.jsonl
+#   bash bench/gpu/cache_routing.sh report   # the table, KV sizes vLLM logged, gateway warnings
 #
 # GATEWAY_SRC: the gateway's code (default: this checkout; a `git archive` to pin it).
 # EAGER=1 (default) starts vLLM with --enforce-eager (no torch.compile: quicker start).
