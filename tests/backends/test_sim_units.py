@@ -79,8 +79,8 @@ def test_the_prefix_cache_tells_what_it_stores_and_evicts_as_vllm_does() -> None
     assert len(sent) == 2
     first, second = (decode(msgspec.msgpack.encode([1.0, e, 0])).events[0] for e in sent)
     assert isinstance(first, Stored) and isinstance(second, Stored)
-    assert first.parent is None and first.tokens == tuple(b"abcdefgh") and first.size == 4
-    assert second.parent == first.hashes[-1] and second.tokens == tuple(b"ijkl")
+    assert first.parent is None and tuple(first.tokens) == tuple(b"abcdefgh") and first.size == 4
+    assert second.parent == first.hashes[-1] and tuple(second.tokens) == tuple(b"ijkl")
     assert list(sent[0][0]) == list(RECORDED_STORED)  # vLLM's fields, in vLLM's order
     cache.observe(b"zzzz")  # a fourth block: the least recently used goes
     removed = decode(msgspec.msgpack.encode([1.0, sent[-1], 0])).events
