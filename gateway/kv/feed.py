@@ -39,11 +39,11 @@ END = b"\xff" * 8  # vLLM's end of a replay (-1 as 8 signed bytes)
 MAX_MESSAGE = 64 << 20  # a larger message is refused by ZMQ itself (the peer is cut off)
 REPLAY_WITHIN = 2.0  # seconds for a whole replay, else the gap is given up
 SYNC_WITHIN = 10.0  # seconds for the first replay (up to vLLM's whole buffer)
-LAGGING = 2.0  # seconds between a batch's sending (its ts) and its arrival: lagging
+LAG_LIMIT = 2.0  # seconds between a batch's sending (its ts) and its arrival: lagging
 UNSYNCED_FOR = 60.0  # seconds a backend that lost events is routed by the estimate
-EXACT, ESTIMATED, UNSYNCED, LAGGING_, INEXACT = (
+EXACT, ESTIMATED, UNSYNCED, LAGGING, INEXACT = (
     "exact", "estimated", "unsynced", "lagging", "inexact")
-STANDINGS = (EXACT, ESTIMATED, UNSYNCED, LAGGING_, INEXACT)
+STANDINGS = (EXACT, ESTIMATED, UNSYNCED, LAGGING, INEXACT)
 
 
 @dataclass
@@ -52,15 +52,17 @@ class FeedCounts:
     bad: int = 0  # frames or payloads that were not vLLM's: passed over
     gaps: int = 0
     replayed: int = 0  # batches a replay filled in
-    resets: int = 0  # the backend's blocks dropped: a restart, or a gap no replay filled
+    resets: int = 0  # the backend's blocks dropped: a restart, a gap no replay filled,
+    # or its feed stopped (the backend left the ready ones); kept across its feeds
     last_event: float | None = None  # monotonic time of the last batch applied
 
 
 class Feed:
     def __init__(self, backend: str, index: Index, endpoint: str, replay: str | None = None,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 context: zmq.asyncio.Context | None = None,
+                 counts: FeedCounts | None = None) -> None:
         self.backend = backend
-        self.counts = FeedCounts()
+        self.counts = counts or FeedCounts()
         self._index = index
         self._endpoint = endpoint
         self._replay = replay
@@ -71,20 +73,42 @@ class Feed:
         self.lost_at: float | None = None  # monotonic time events were last lost
         self.lag = 0.0  # seconds the last live batch took from vLLM to here
 
-
     async def run(self) -> None:
         """Subscribe and apply until cancelled (the control plane runs one per backend)."""
         sub = self._context.socket(zmq.SUB)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(self._endpoint)
             await self.sync()
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while True:
-                await self.receive(await sub.recv_multipart())
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await monitor.recv_multipart()
+                    await self.lost()
+                if sub in ready:
+                    await self.receive(await sub.recv_multipart())
         finally:
+            with contextlib.suppress(zmq.ZMQError):  # the context may be gone already
+                sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close()
+
+    async def lost(self) -> None:
+        """The publisher went away: the instance stopped or restarted (its seq may even
+        pass the last one seen before the subscription is back, which would look like a
+        gap), or the connection broke. Its blocks are dropped, and the first replay asked
+        again: the new instance's, or the same one's whole buffer."""
+        log.info("kv events of %s: the publisher went away; its blocks are dropped",
+                 self.backend)
+        self._reset()
+        self.synced = False
+        await self.sync()
 
     async def receive(self, frames: list[bytes]) -> None:
         """One message from the SUB socket: applied, or (after a gap) the gap first."""
@@ -206,6 +230,7 @@ class Feeds:
         self.prefill = Prefill(processes)
         self.lookups = {"asked": 0, "unknown": 0}  # requests tokenized, and not
         self.feeds: dict[str, Feed] = {}
+        self._counts: dict[str, FeedCounts] = {}  # per backend, across its feeds
         self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
         self._every = every
 
@@ -219,11 +244,13 @@ class Feeds:
                 task.cancel()
                 del self._tasks[name]
                 self.feeds.pop(name, None)
+                self._counts[name].resets += 1
                 self.index.drop(name)
                 self.checks.drop(name)
         for name, endpoints in wanted.items():
             if name not in self._tasks:
-                feed = Feed(name, self.index, endpoints[0], endpoints[1])
+                feed = Feed(name, self.index, endpoints[0], endpoints[1],
+                            counts=self._counts.setdefault(name, FeedCounts()))
                 self.feeds[name] = feed
                 self._tasks[name] = (endpoints, asyncio.get_running_loop().create_task(
                     feed.run(), name=f"kv-feed-{name}"))
@@ -239,8 +266,8 @@ class Feeds:
         if not feed.synced or (feed.lost_at is not None
                                and time.monotonic() - feed.lost_at < UNSYNCED_FOR):
             return UNSYNCED
-        if feed.lag >= LAGGING:
-            return LAGGING_
+        if feed.lag >= LAG_LIMIT:
+            return LAGGING
         if self.checks.inexact(backend):
             return INEXACT
         return EXACT

@@ -158,16 +158,17 @@ def test_a_restarted_backend_starts_again_from_an_empty_cache(tmp_path: Path,
         assert exact(first) == len(first)
         victim = first[0]["backend"]
         i = int(victim[1:])
+        resets = lambda: metric(kv.url, "gateway_kv_feed", backend=victim,  # noqa: E731
+                                what="resets")
+        before = resets()
         group[i].stop()
         group[i] = Sim(tmp_path, f"s{i}-again", "--kv-events", f"ipc://{sockets}/s{i}.pub",
                        "--kv-replay", f"ipc://{sockets}/s{i}.replay", "--token-details",
                        "--kv-block", str(BLOCK), port=group[i].port)
-        resets = lambda: metric(kv.url, "gateway_kv_feed", backend=victim,  # noqa: E731
-                                what="resets")
-        before = resets()
         wait_for(lambda: ready(kv, victim), 10, "the restarted simulator routable again")
-        # The documents it held go there; its new events say it restarted (the first ones
-        # may be sent before the gateway's subscription is back: asked until one arrives).
+        # Either its health checks saw it down (its feed stopped, its blocks dropped, and a
+        # new feed started when it was back) or its new events say it restarted (the first
+        # ones may be sent before the subscription is back: asked until one arrives).
         wait_for(lambda: ask(kv, 4, 1) == [] and resets() > before, 20,
                  "the restart noticed", every=0.1)
         over = metric(kv.url, "gateway_kv_predictions_total", result="over")

@@ -99,6 +99,34 @@ def test_a_restarted_instance_starts_again_from_nothing() -> None:
     run(test)
 
 
+def test_a_publisher_that_goes_away_is_a_restart_even_when_its_seq_runs_ahead() -> None:
+    """The instance restarts on the same endpoints and publishes more batches before the
+    subscription is back than it had before: the seq says "a gap", but the feed saw the
+    connection go, dropped the old blocks and asked the new instance's replay from 0."""
+    async def test(context: zmq.asyncio.Context) -> None:
+        publisher, index = Publisher(context), Index()
+        feed = Feed("a", index, publisher.endpoint, publisher.replay, context)
+        task = asyncio.create_task(feed.run())
+        for payload in chain(3):
+            await publisher.send(payload)
+        await until(lambda: held(index, 3) == 3, 10)
+        await publisher.close()
+        await until(lambda: feed.counts.resets == 1, 10)
+        replayed, batches = feed.counts.replayed, feed.counts.batches
+        restarted = Publisher(context, on=publisher)  # its seq starts at 0 again
+        for payload in (encode([stored([100 + i], [9, 9, 9, i])]) for i in range(5)):
+            restarted.batch(payload)  # sent before the feed was back: only in the replay
+        await until(lambda: feed.synced and feed.counts.replayed == replayed + 5, 10)
+        await restarted.send(recorded(0))  # seq 5, one past the replay's last: no gap
+        await until(lambda: feed.counts.batches == batches + 5 + 1, 10)
+        assert held(index, 3) == 0 and feed.counts.resets == 1 and feed.counts.gaps == 0
+        assert index.match(keys([9, 9, 9, 4], 4)) == {"a": 1}
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await restarted.close()
+    run(test)
+
+
 def test_frames_that_are_not_vllms_are_passed_over() -> None:
     async def test(context: zmq.asyncio.Context) -> None:
         publisher, index = Publisher(context), Index()
@@ -151,14 +179,18 @@ async def until(condition: Callable[[], bool], within: float,
 
 def test_feeds_follow_the_backends_there_are() -> None:
     """A reload that removes a backend (or moves its endpoints) stops its feed and forgets
-    its blocks; a new one gets a feed."""
+    its blocks, counted as a reset that outlives the feed (a backend that leaves the ready
+    ones and comes back gets a new feed, and its counts go on); a new one gets a feed."""
     async def test(context: zmq.asyncio.Context) -> None:
         feeds = Feeds(Index())
         feeds.align({"a": ("ipc:///nowhere/a", None), "b": ("ipc:///nowhere/b", None)})
         assert sorted(feeds.feeds) == ["a", "b"]
         feeds.index.apply("a", decode(recorded(0)))
+        feeds.feeds["a"].counts.gaps = 3
         feeds.align({"a": ("ipc:///nowhere/a2", None), "c": ("ipc:///nowhere/c", None)})
         assert sorted(feeds.feeds) == ["a", "c"] and feeds.index.blocks("a") == 0
+        assert (feeds.feeds["a"].counts.resets, feeds.feeds["a"].counts.gaps) == (1, 3)
+        assert feeds.feeds["c"].counts.resets == 0
         runner = asyncio.create_task(feeds.run(dict))  # nothing wanted: every feed stops
         await until(lambda: not feeds.feeds, 5)
         runner.cancel()

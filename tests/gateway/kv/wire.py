@@ -41,20 +41,30 @@ def stored(hashes: list[int], tokens: list[int], parent: int | None = None,
 END = b"\xff" * 8
 
 
+def _bound(socket: zmq.asyncio.Socket) -> str:
+    return f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
+
+
 class Publisher:
     """A PUB socket sending ``[topic, seq, payload]`` and a ROUTER answering a replay
     ``[id, b"", start]`` with ``[id, b"", topic, seq, payload]`` for each kept batch from
     ``start`` on, then ``[id, b"", b"", END, b""]``; it keeps the last ``keep`` batches."""
 
     def __init__(self, context: zmq.asyncio.Context, keep: int = 10_000,
-                 topic: bytes = b"kv") -> None:
+                 topic: bytes = b"kv", on: Publisher | None = None) -> None:
+        """``on``: bound where that (closed) publisher was, as a restarted instance is."""
         self.topic = topic
         self.pub = context.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.replay = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        if on is None:
+            self.endpoint = _bound(self.pub)
+            self.replay = _bound(self.router)
+        else:
+            self.endpoint, self.replay = on.endpoint, on.replay
+            self.pub.bind(self.endpoint)
+            self.router.bind(self.replay)
         self.seq = 0
         self.kept: deque[tuple[int, bytes]] = deque(maxlen=keep)
         self._serving = asyncio.get_running_loop().create_task(self._serve())
