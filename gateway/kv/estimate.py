@@ -59,10 +59,10 @@ class Estimate:
         prompt's blocks are there now (vLLM cached what it computed)."""
         if tokens > 0:
             self._learn(backend, tokens)
-        held = self._held.setdefault(backend, OrderedDict())
         cap = self._caps.get(backend, self._cap)
         if blocks < predicted:
-            self._caps[backend] = max(MIN_CAP, min(cap, len(held)) * 9 // 10)
+            held = len(self._held.get(backend, ()))
+            self._caps[backend] = max(MIN_CAP, min(cap, held) * 9 // 10)
         elif blocks > predicted:
             self._caps[backend] = min(self._cap, cap + cap // 10 + blocks)
         self.sent(backend, keys)

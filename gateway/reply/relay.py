@@ -53,6 +53,14 @@ def _headers(resp: UpstreamResponse, backend: Backend, record: Record, stream: b
     return headers
 
 
+def _counted(record: Record, tail: bytes, rewrite: Filter | None) -> None:
+    """The usage (what a filter took out of the stream, else the reply's ``tail``) and,
+    when the kv policy predicted it, the cached tokens vLLM reports."""
+    record.usage = (rewrite.usage if rewrite is not None else None) or usage_of(tail)
+    if record.request.cached is not None:
+        record.cached = cached_of(tail)
+
+
 class Tap:
     """What happens to each relayed chunk besides its sending: the deadline stamped, an
     in-band error looked for, the chunk kept by reference for the reply cache (up to the
@@ -158,9 +166,7 @@ class Relay:
                                                 stream, parts, room)
         if cause is None:
             # What a filter took out of the stream, else the tail the client got.
-            record.usage = (rewrite.usage if rewrite is not None else None) or usage_of(tail)
-            if record.request.cached is not None:
-                record.cached = cached_of(tail)
+            _counted(record, tail, rewrite)
             if parts is not None and (not cached or (
                     resumable and sum(map(len, parts)) > self._cache_max)):
                 parts = None  # kept to continue, not to cache
@@ -197,11 +203,7 @@ class Relay:
             if not deadline.absorb():
                 # The client went away, perhaps as soon as it read the last event (an SDK
                 # closes at `[DONE]`, before the reply's own end): what it was sent counts.
-                tail = tap.before + tap.last
-                record.usage = (rewrite.usage if rewrite is not None else None) or usage_of(
-                    tail)
-                if record.request.cached is not None:
-                    record.cached = cached_of(tail)
+                _counted(record, tap.before + tap.last, rewrite)
                 raise
             tap.cause = StreamCause.STALLED
         finally:
@@ -296,9 +298,7 @@ class Relay:
         finally:
             await resp.aclose(reuse)
         body = rewrite.whole(parts[0] if len(parts) == 1 else b"".join(parts))
-        record.usage = usage_of(body[-4096:])
-        if record.request.cached is not None:
-            record.cached = cached_of(body[-4096:])
+        _counted(record, body[-4096:], None)
         await send({
             "type": "http.response.start",
             "status": resp.status,
