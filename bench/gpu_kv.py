@@ -45,6 +45,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 QUERIES = "vllm:prefix_cache_queries_total"
 HITS = "vllm:prefix_cache_hits_total"
 SUCCESS = "vllm:request_success_total"
+WAITING = "vllm:num_requests_waiting"
 _SYL_ON = "b c d f g h j k l m n p r s t v w z br ch cl dr fl gr pl qu sh st th tr".split()
 _SYL_VO = "a e i o u ai ea ie oo ou y".split()
 _SYL_CO = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck", "ng", "x"]
@@ -59,7 +60,7 @@ def scrape(base: str) -> dict[str, float]:
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     out = {QUERIES: 0.0, HITS: 0.0}
     for line in text.splitlines():
-        for name in (QUERIES, HITS, SUCCESS):
+        for name in (QUERIES, HITS, SUCCESS, WAITING):
             if line.startswith((name + "{", name + " ")):
                 out[name] = out.get(name, 0.0) + float(line.rsplit(None, 1)[-1])
     if SUCCESS not in out:  # not vLLM
@@ -108,7 +109,7 @@ async def tokens_per_word(session: aiohttp.ClientSession, base: str, model: str)
                 "model": model, "messages": [{"role": "system", "content": words(rng, n)}],
                 "add_generation_prompt": False}) as resp:
             counts.append((await resp.json())["count"])
-    return (counts[1] - counts[0]) / 500
+    return float(counts[1] - counts[0]) / 500
 
 
 def _append(path: str, text: str) -> None:
@@ -122,8 +123,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, messages: list[dict[str, str]],
-              max_tokens: int) -> dict[str, Any]:
+              max_tokens: int, keep_text: bool = False) -> dict[str, Any]:
     rec: dict[str, Any] = {"ok": False}
+    text: list[str] = []
     t0 = time.perf_counter()
     try:
         async with session.post(url + "/v1/chat/completions", json={
@@ -150,8 +152,11 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, messages: li
                     rec["error"] = str(data["error"])[:200]
                     return rec
                 choices = data.get("choices") or []
-                if choices and (choices[0].get("delta") or {}).get("content"):
+                content = choices and (choices[0].get("delta") or {}).get("content")
+                if content:
                     chunks += 1
+                    if keep_text:
+                        text.append(content)
                     if "ttft" not in rec:
                         rec["ttft"] = time.perf_counter() - t0
                 usage = data.get("usage")
@@ -160,6 +165,8 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, messages: li
                     rec["cached"] = (usage.get("prompt_tokens_details") or {}).get(
                         "cached_tokens")
             rec["chunks"] = chunks
+            if keep_text:
+                rec["text"] = "".join(text)
             rec["ok"] = "ttft" in rec
             if not rec["ok"]:
                 rec["error"] = "no content"
@@ -169,36 +176,77 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, messages: li
     return rec
 
 
+def rate_at(args: argparse.Namespace, t: float) -> float:
+    """Requests per second at ``t``: ``--rate``, or rising from it to ``--rate-to``."""
+    if args.rate_to is None:
+        return float(args.rate)
+    return float(args.rate + (args.rate_to - args.rate) * min(1.0, t / args.seconds))
+
+
+def schedule(rng: random.Random, args: argparse.Namespace) -> list[tuple[float, int, str]]:
+    """Arrivals (Poisson, at ``rate_at``): when, which system prompt, the first question.
+    With ``--turns`` > 1 each arrival starts a conversation (at a rate ``turns`` times lower,
+    so that requests keep coming at about the rate asked)."""
+    arrivals: list[tuple[float, int, str]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate_at(args, t) / args.turns)
+        if t >= args.seconds:
+            return arrivals
+        arrivals.append((t, rng.randrange(args.prompts), words(rng, args.question_words)))
+
+
+async def sample_queue(instances: list[str], into: list[float]) -> None:
+    """vLLM's waiting requests, summed over the instances, once a second until cancelled."""
+    while True:
+        now = await asyncio.gather(*(asyncio.to_thread(scrape, b) for b in instances))
+        into.append(sum(m.get(WAITING, 0.0) for m in now))
+        await asyncio.sleep(1.0)
+
+
 async def arm(session: aiohttp.ClientSession, name: str, url: str | None, seed: int,
               args: argparse.Namespace, instances: list[str], sys_words: int,
               pid: int | None, log: str | None) -> dict[str, Any]:
     rng = random.Random(seed)
     prompts = [words(rng, sys_words) + f" [{seed}-{i}]" for i in range(args.prompts)]
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(args.rate)
-        if t >= args.seconds:
-            break
-        arrivals.append((t, rng.randrange(args.prompts), words(rng, args.question_words)))
+    arrivals = schedule(rng, args)
+    thinks = [[rng.expovariate(1 / args.think) for _ in range(args.turns)] for _ in arrivals]
+    later = [[words(rng, args.question_words) for _ in range(args.turns)] for _ in arrivals]
 
     before = await asyncio.gather(*(asyncio.to_thread(scrape, b) for b in instances))
     cpu0 = tree_ticks(pid) if pid else 0
+    queue: list[float] = []
+    sampler = asyncio.create_task(sample_queue(instances, queue))
     t0 = time.perf_counter()
 
-    async def send(n: int, at: float, which: int, question: str) -> dict[str, Any]:
+    async def conversation(n: int, at: float, which: int, question: str) -> list[dict[str, Any]]:
+        """One system prompt and ``--turns`` questions, each with the history before it."""
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
         target = url or instances[which % len(instances)]
-        messages = [{"role": "system", "content": prompts[which]},
-                    {"role": "user", "content": f"Question {seed}-{n}: {question}?"}]
-        rec = await one(session, target, args.model, messages, args.max_tokens)
-        rec |= {"arm": name, "seed": seed, "n": n, "at": round(at, 3), "prompt": which}
-        if url is None:
-            rec["backend"] = target
-        return rec
+        messages = [{"role": "system", "content": prompts[which]}]
+        recs = []
+        for turn in range(args.turns):
+            asked = question if turn == 0 else later[n][turn]
+            messages.append({"role": "user", "content": f"Question {seed}-{n}-{turn}: {asked}?"})
+            sent = time.perf_counter() - t0
+            rec = await one(session, target, args.model, messages, args.max_tokens,
+                            keep_text=turn + 1 < args.turns)
+            rec |= {"arm": name, "seed": seed, "n": n, "turn": turn, "at": round(sent, 3),
+                    "rate": round(rate_at(args, sent), 1), "prompt": which}
+            if url is None:
+                rec["backend"] = target
+            recs.append(rec)
+            if not rec["ok"] or turn + 1 == args.turns:
+                break
+            messages.append({"role": "assistant", "content": rec.pop("text")})
+            await asyncio.sleep(thinks[n][turn])
+        return recs
 
-    recs = await asyncio.gather(*(send(n, *a) for n, a in enumerate(arrivals)))
+    done = await asyncio.gather(*(conversation(n, *a) for n, a in enumerate(arrivals)))
+    recs = [r for c in done for r in c]
     wall = time.perf_counter() - t0
     cpu1 = tree_ticks(pid) if pid else 0
+    sampler.cancel()
     await asyncio.sleep(args.settle)  # vLLM's counters are published after the step
     after = await asyncio.gather(*(asyncio.to_thread(scrape, b) for b in instances))
     if log:
@@ -220,7 +268,15 @@ async def arm(session: aiohttp.ClientSession, name: str, url: str | None, seed: 
         "ttft_p99_ms": pct(ttfts, .99), "per_instance": per_instance,
         "cpu_ms_per_req": round((cpu1 - cpu0) / TICKS * 1000 / len(recs), 3)
         if pid and recs else None,
+        "queue_mean": round(sum(queue) / len(queue), 1) if queue else None,
+        "queue_max": max(queue) if queue else None,
         "error_samples": sorted({r.get("error", "") for r in recs if not r["ok"]})[:3]}
+    if args.turns > 1:
+        result["turns"] = args.turns
+        result["hit_ratio_by_turn"] = by_turn(ok)
+    if args.rate_to is not None:
+        result["rate"] = [args.rate, args.rate_to]
+        result["buckets"] = buckets(ok, args)
     predicted = [r for r in ok if "predicted" in r and r.get("cached") is not None]
     if predicted:
         result["kv_replies"] = len(predicted)
@@ -230,6 +286,34 @@ async def arm(session: aiohttp.ClientSession, name: str, url: str | None, seed: 
         result["kv_under"] = sum(r["predicted"] < r["cached"] for r in predicted)
         result["kv_rules"] = dict(Counter(r.get("rule", "?") for r in predicted))
     return result
+
+
+def by_turn(ok: list[dict[str, Any]]) -> dict[int, float]:
+    """The cached share of the prompt tokens (usage) at each turn of the conversations."""
+    out = {}
+    for turn in sorted({r["turn"] for r in ok}):
+        rs = [r for r in ok if r["turn"] == turn and r.get("prompt_tokens")]
+        prompt = sum(r["prompt_tokens"] for r in rs)
+        out[turn] = round(sum(r.get("cached") or 0 for r in rs) / prompt, 3) if prompt else 0.0
+    return out
+
+
+def buckets(ok: list[dict[str, Any]], args: argparse.Namespace, n: int = 6
+            ) -> list[dict[str, Any]]:
+    """The rising rate cut in ``n`` spans of time: the rate, prompt tokens per second sent,
+    the cached share and TTFT p50/p90 of each (the knee is where p90 leaves the floor)."""
+    span, out = args.seconds / n, []
+    for k in range(n):
+        rs = [r for r in ok if k * span <= r["at"] < (k + 1) * span]
+        prompt = sum(r.get("prompt_tokens") or 0 for r in rs)
+        out.append({
+            "rate": round(rate_at(args, (k + 0.5) * span), 1), "requests": len(rs),
+            "input_tok_s": round(prompt / span),
+            "cached_share": round(sum(r.get("cached") or 0 for r in rs) / prompt, 3)
+            if prompt else None,
+            "ttft_p50_ms": pct([r["ttft"] for r in rs], .5),
+            "ttft_p90_ms": pct([r["ttft"] for r in rs], .9)})
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -266,14 +350,25 @@ async def main_async(args: argparse.Namespace) -> None:
 def summary(path: str) -> None:
     rows = [json.loads(line) for line in open(path)]
     print("| arm | hit ratio (vLLM) | cached share (usage) | TTFT p50 / p90 / p99 ms | "
-          "requests per instance | requests | errors | proxy CPU ms/req |")
-    print("|---|---|---|---|---|---|---|---|")
+          "requests per instance | requests | errors | vLLM queue mean / max | "
+          "proxy CPU ms/req |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cpu = r.get("cpu_ms_per_req")
         print(f"| {r['arm']} | {r['hit_ratio']} | {r['cached_share']} | {r['ttft_p50_ms']} / "
               f"{r['ttft_p90_ms']} / {r['ttft_p99_ms']} | "
               f"{' / '.join(map(str, r['per_instance']))} | {r['requests']} | {r['errors']} | "
+              f"{r.get('queue_mean', '-')} / {r.get('queue_max', '-')} | "
               f"{'-' if cpu is None else cpu} |")
+    for r in rows:
+        if "hit_ratio_by_turn" in r:
+            print(f"\n{r['arm']}: cached share by turn {json.dumps(r['hit_ratio_by_turn'])}")
+        if "buckets" in r:
+            print(f"\n{r['arm']}, rate {r['rate'][0]} -> {r['rate'][1]}/s: rate | input tok/s | "
+                  "cached share | TTFT p50 / p90 ms")
+            for b in r["buckets"]:
+                print(f"  {b['rate']} | {b['input_tok_s']} | {b['cached_share']} | "
+                      f"{b['ttft_p50_ms']} / {b['ttft_p90_ms']}")
     for r in rows:
         if "kv_replies" in r:
             print(f"\n{r['arm']}: x-gateway-cached-tokens == usage cached_tokens on "
@@ -292,6 +387,10 @@ def main() -> None:
     ap.add_argument("--pid", action="append", default=[], help="NAME=PID: the proxy's root")
     ap.add_argument("--model", default="test")
     ap.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
+    ap.add_argument("--rate-to", type=float, help="the rate rises to this by the arm's end")
+    ap.add_argument("--turns", type=int, default=1, help="questions per conversation")
+    ap.add_argument("--think", type=float, default=1.0,
+                    help="mean seconds between a reply and the next turn")
     ap.add_argument("--seconds", type=float, default=60.0, help="per arm")
     ap.add_argument("--prompts", type=int, default=40, help="shared system prompts per arm")
     ap.add_argument("--sys-tokens", type=int, default=2000)

@@ -20,6 +20,9 @@
 # GATEWAY_SRC: the gateway's code (default: this checkout; a `git archive` to pin it).
 # EAGER=1 (default) starts vLLM with --enforce-eager (no torch.compile: quicker start).
 # ARMS, SECONDS_PER_ARM, RATE: the arm set (run in that order), seconds per arm, requests/s.
+# RATE_TO: the rate rises from RATE to it over each arm (the knee). TURNS: conversations of
+# that many questions, each with the history before it (MAX_TOKENS: each reply's length).
+# OUT: where a load's files go (one folder per load).
 # SIM=1: simulators (`python -m gateway sim`, same ports, same KV events and cache size)
 # instead of vLLM, to check the whole flow on a machine without a GPU.
 set -uo pipefail
@@ -139,7 +142,8 @@ load() {
   done
   for spec in $GATEWAYS; do wait_http "http://127.0.0.1:${spec##*:}/readyz" 30 || exit 8; done
   $PY -m bench.gpu_kv --instances "$(for n in $(seq 1 $N); do printf '%shttp://127.0.0.1:800%d' "$([ "$n" -gt 1 ] && echo ,)" "$n"; done)" \
-    "${args[@]}" "${pids[@]}" --rate "${RATE:-20}" --seconds "${SECONDS_PER_ARM:-60}" \
+    "${args[@]}" "${pids[@]}" --rate "${RATE:-20}" ${RATE_TO:+--rate-to "$RATE_TO"} \
+    --turns "${TURNS:-1}" --max-tokens "${MAX_TOKENS:-16}" --seconds "${SECONDS_PER_ARM:-60}" \
     --out "$OUT/kv.jsonl" --requests "$OUT/requests.jsonl"
   curl -s http://127.0.0.1:9004/metrics | grep -E "^gateway_kv" > "$OUT/gateway_kv_metrics.txt"
 }
