@@ -228,7 +228,8 @@ class Feeds:
         self.estimate = Estimate()
         self.checks = Checks()
         self.prefill = Prefill(processes)
-        self.lookups = {"asked": 0, "unknown": 0}  # requests tokenized, and not
+        # Requests tokenized, routed by a conversation's earlier turn, and neither.
+        self.lookups = {"asked": 0, "remembered": 0, "unknown": 0}
         self.feeds: dict[str, Feed] = {}
         self._counts: dict[str, FeedCounts] = {}  # per backend, across its feeds
         self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}

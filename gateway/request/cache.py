@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +22,14 @@ from backends.backend import Backend
 from gateway.http.headers import upstream_request_headers
 from gateway.kv.feed import EXACT, INEXACT, Feeds
 from gateway.kv.index import Key, keys
+from gateway.request.turns import Turns, conversation
 from gateway.routing.pool import BackendPool
 from gateway.types import Cached, Request
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.kv")
 
+CHAT = "/v1/chat/completions"
 TOKENIZE_WITHIN = 0.5  # seconds; later, the request is routed by the estimate
 JSON = (b"content-type", b"application/json")
 # Fields of a chat request that vLLM's /tokenize takes as serving does (its chat template).
@@ -38,7 +40,7 @@ CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
 def tokenize_body(path: str, payload: Mapping[str, Any]) -> bytes | None:
     """The ``/tokenize`` request for a chat or completion request (None: another route, or
     a prompt the gateway does not read: several, or already token ids)."""
-    if path == "/v1/chat/completions" and isinstance(payload.get("messages"), list):
+    if path == CHAT and isinstance(payload.get("messages"), list):
         return orjson.dumps({k: payload[k] for k in CHAT_FIELDS if k in payload})
     if path == "/v1/completions" and isinstance(payload.get("prompt"), str):
         return orjson.dumps({"prompt": payload["prompt"],
@@ -56,6 +58,7 @@ class Prediction:
 
     feeds: Feeds
     cached: Cached
+    partial: bool = False  # only the prompt's start is known: a hit is at least this
     events: dict[str, int] = field(default_factory=dict)  # backends whose index is judged
     guessed: dict[str, int] = field(default_factory=dict)  # what the estimate said
     blocks: dict[int, list[Key]] = field(default_factory=dict)  # by block size
@@ -89,9 +92,12 @@ class Prediction:
         keys, blocks = self._of(backend), found // size
         if backend in self.events:
             predicted = self.events[backend]
-            self.feeds.checks.record(backend, predicted == found)
+            self.feeds.checks.record(backend, found >= predicted if self.partial
+                                     else found == predicted)
             if found < predicted:
                 self.feeds.index.found(backend, keys, blocks)
+        if self.partial:  # what was found past the start known is not this estimate's
+            blocks, found = min(blocks, len(keys)), min(found, len(keys) * size)
         guessed = self.guessed.get(backend, 0) // size
         self.feeds.estimate.found(backend, keys, guessed, blocks, found)
 
@@ -107,6 +113,7 @@ class Prediction:
 class CacheLookup:
     def __init__(self, feeds: Feeds, upstream: Upstream, pool: BackendPool) -> None:
         self.feeds = feeds
+        self.turns = Turns()
         self._upstream = upstream
         self._pool = pool
 
@@ -118,25 +125,36 @@ class CacheLookup:
         if body is None or not candidates or not isinstance(salt, str | None):
             self.feeds.lookups["unknown"] += 1
             return None
-        self.feeds.lookups["asked"] += 1
         # Any candidate renders as the others: spread the work over them.
         asked = candidates[hash(request.request_id) % len(candidates)]
+        card = asked.cards.get(request.model, {})
+        lora = request.model if card.get("parent") else None  # a LoRA adapter's name
+        names = [b.name for b in candidates]
+        talk = conversation(request.model, request.payload) if request.path == CHAT else None
+        known = self.turns.recall(talk) if talk is not None else None
+        if known is not None:  # a later turn: its history's tokens, no /tokenize
+            assert talk is not None
+            self.feeds.lookups["remembered"] += 1
+            return self.predict(known.tokens, names, lora, salt,
+                                total=len(known.tokens) * talk.chars[-1] // max(1, known.chars))
+        self.feeds.lookups["asked"] += 1
         tokens = await self._tokens(asked, body, request.request_id)
         if tokens is None:
             self.feeds.lookups["unknown"] += 1
             return None
-        card = asked.cards.get(request.model, {})
-        lora = request.model if card.get("parent") else None  # a LoRA adapter's name
-        return self.predict(tokens, [b.name for b in candidates], lora, salt)
+        if talk is not None:
+            self.turns.keep(talk, tokens)
+        return self.predict(tokens, names, lora, salt)
 
-    def predict(self, tokens: list[int], names: list[str], lora: str | None = None,
-                salt: str | None = None) -> Prediction:
+    def predict(self, tokens: Sequence[int], names: list[str], lora: str | None = None,
+                salt: str | None = None, total: int | None = None) -> Prediction:
         """What each of ``names`` holds of a prompt of ``tokens``, asked of LoRA adapter
         ``lora`` with ``cache_salt`` ``salt``: vLLM keys every block of an adapter's
-        prompt by its name, and the first block by the salt too (its events carry both)."""
+        prompt by its name, and the first block by the salt too (its events carry both).
+        ``total``: the tokens are only the prompt's start, of about ``total`` in all."""
         feeds = self.feeds
         index, estimate = feeds.index, feeds.estimate
-        prediction = Prediction(feeds, Cached(len(tokens)))
+        prediction = Prediction(feeds, Cached(total or len(tokens)), partial=total is not None)
         cached = prediction.cached
         for name in names:
             cached.standing[name] = feeds.standing(name)
@@ -144,10 +162,10 @@ class CacheLookup:
         for size in set(prediction.sizes.values()):
             # vLLM computes a prompt's last token whatever it holds (a hit is at most
             # len - 1 tokens): a prompt of whole blocks finds one block less.
-            count = (len(tokens) - 1) // size
+            count = (len(tokens) - (not prediction.partial)) // size
             extras = ([tuple(x for x in (lora, salt if i == 0 else None) if x) or None
                        for i in range(count)] if lora or salt else None)
-            blocks = prediction.blocks[size] = keys(tokens[:-1], size, lora, extras)
+            blocks = prediction.blocks[size] = keys(tokens[:count * size], size, lora, extras)
             these = [n for n in names if prediction.sizes[n] == size]
             held = index.match(blocks)
             guessed = estimate.match(blocks, these)  # for all: its cap is tuned meanwhile
@@ -161,7 +179,7 @@ class CacheLookup:
                 if n:
                     cached[name] = n * size
         for name in names:
-            cached.waits[name] = feeds.prefill.wait(name, len(tokens) - cached.get(name, 0))
+            cached.waits[name] = feeds.prefill.wait(name, cached.tokens - cached.get(name, 0))
         return prediction
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:

@@ -179,3 +179,34 @@ def test_a_restarted_backend_starts_again_from_an_empty_cache(tmp_path: Path,
         kv.stop()
         for sim in group:
             sim.stop()
+
+
+def test_a_conversation_is_routed_by_its_history_without_tokenizing_it_again(
+        tmp_path: Path, sockets: Path) -> None:
+    """An SDK client resends the whole conversation each turn (no session key): after the
+    first, each turn goes where its history is cached, known from the turn before (no
+    /tokenize), and its prediction is a lower bound of what the simulator finds."""
+    group = sims(tmp_path, sockets, "t", 3)
+    kv = gateway(tmp_path, sockets, "t", group)
+    try:
+        client = openai.OpenAI(base_url=kv.url + "/v1", api_key="x", max_retries=0)
+        messages: list[Any] = [{"role": "system", "content": document(1)}]
+        seen = []
+        for turn in range(5):
+            messages.append({"role": "user", "content": f"Question {turn}?"})
+            raw = client.chat.completions.with_raw_response.create(
+                model="sim-model", max_tokens=4, messages=messages)
+            reply = raw.parse()
+            assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+            seen.append((raw.headers["x-gateway-backend"],
+                         int(raw.headers["x-gateway-cached-tokens"]),
+                         reply.usage.prompt_tokens_details.cached_tokens))
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        assert len({backend for backend, _, _ in seen}) == 1, seen
+        assert all(0 < predicted <= cached for _, predicted, cached in seen[1:]), seen
+        wait_for(lambda: metric(kv.url, "gateway_kv_lookups", result="remembered") >= 3, 10,
+                 "turns routed by the turn before (one may meet the other worker process)")
+    finally:
+        kv.stop()
+        for sim in group:
+            sim.stop()

@@ -261,6 +261,30 @@ def test_a_salted_prompt_is_predicted_under_its_own_salt(kv: Gateway) -> None:
     assert one("tenant-2", 2) == (0, 0)  # the other tenant's cache: nothing, and said so
 
 
+def test_a_conversations_later_turns_follow_its_history_untokenized(kv: Gateway) -> None:
+    """A conversation resent whole each turn (no session key): the tokens of the turn
+    before, as vLLM rendered them with the tiny model's chat template, are the start of
+    this turn's, so the gateway routes by them without /tokenize, and what it predicts is
+    never more than what vLLM finds."""
+    client = openai.OpenAI(base_url=kv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages: list[Any] = [{"role": "system", "content": document(0, "talk")}]
+    seen = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question {turn}: where does it flow?"})
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-llama", max_tokens=8, temperature=0, messages=messages)
+        reply = raw.parse()
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        seen.append((raw.headers["x-gateway-backend"], int(raw.headers["x-gateway-cached-tokens"]),
+                     reply.usage.prompt_tokens_details.cached_tokens or 0))
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    print(f"\nconversation (backend, predicted, vLLM's cached_tokens) per turn: {seen}")
+    assert len({backend for backend, _, _ in seen}) == 1, seen
+    assert all(2 * BLOCK <= predicted <= cached for _, predicted, cached in seen[1:]), seen
+    wait_for(lambda: metric(kv.url, "gateway_kv_lookups", result="remembered") >= 2, 10,
+             "turns routed by the turn before")
+
+
 HEADER = "You are the archive's assistant. " + " ".join(
     f"Rule {i}: answer from the document, briefly, and never invent a source."
     for i in range(8))  # about 2 blocks, and more than the prefix policy's 512 characters

@@ -267,3 +267,34 @@ def test_a_failed_attempts_guess_is_taken_back() -> None:
         assert lookup.predict(BIG, ["a", "b"]).cached == {"b": 192}
         assert feeds.prefill.pending == {"b": 200}
     asyncio.run(main())
+
+
+def test_a_conversations_later_turns_are_routed_by_its_history_without_tokenizing() -> None:
+    """Turn 2 resends turn 1's messages: their tokens, remembered, route it to where they
+    are cached, with no /tokenize; the prediction is a lower bound (the new turn is not
+    counted) and is judged as one. A turn that adds much is tokenized whole again."""
+    asked: list[bytes] = []
+
+    async def tokenize(body: bytes) -> Reply:  # one token per character, in order
+        asked.append(body)
+        text = "".join(m["content"] for m in orjson.loads(body)["messages"])
+        return Reply.json(200, {"tokens": [ord(c) for c in text]})
+
+    upstream = FakeUpstream({A: always(completion("a")), B: always(completion("b"))},
+                            {A: tokenize, B: tokenize})
+    parts = kv_gateway(upstream)
+    system = {"role": "system", "content": "abcd" * 10}  # ten blocks of 4
+    first = {**BODY, "messages": [system, {"role": "user", "content": "q1"}]}
+    feeds = fed(parts, "b")
+    fed(parts, "a")
+    feeds.index.apply("b", decode(encode([stored(list(range(1, 11)), [ord(c) for c in
+                                                                      "abcd" * 10])])))
+    assert served_by(parts, first) == "b:40" and len(asked) == 1
+    second = {**first, "messages": [*first["messages"], {"role": "assistant", "content": "b"},
+                                    {"role": "user", "content": "q2"}]}
+    assert [served_by(parts, second) for _ in range(2)] == ["b:32"] * 2  # 42 - 8 kept: 8 blocks
+    assert len(asked) == 1 and feeds.lookups["remembered"] == 2
+    assert feeds.checks.inexact("b") is False
+    third = {**second, "messages": [*second["messages"], {"role": "assistant", "content": "c"},
+                                    {"role": "user", "content": "x" * 25}]}
+    assert served_by(parts, third) == "b:40" and len(asked) == 2  # 29 of 71 new: asked
