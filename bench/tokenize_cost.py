@@ -10,7 +10,8 @@
   and whether its ids equal vLLM's.
 
 And a conversation of ``--turns`` turns growing to the largest size: the CPU of tokenizing
-its whole history every turn, against tokenizing only what each turn adds.
+its whole history every turn, against tokenizing only what each turn adds, and (in the
+gateway's venv) against the kv policy's memory of turns (``gateway.request.turns``).
 
     python -m bench.tokenize_cost --url http://127.0.0.1:8300 --model tiny \\
         --pid PID --local models/tiny-llama --out bench/results/issue38_tokenize_cost.json
@@ -21,6 +22,7 @@ Run it with an interpreter that has ``transformers`` (vLLM's venv) for the local
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -132,6 +134,35 @@ def conversation(url: str, model: str, words: int, pid: int, turns: int) -> dict
             "new_turn_only_cpu_ms": round(added * 1000, 1)}
 
 
+def remembered(url: str, model: str, words: int, pid: int, turns: int) -> dict[str, Any]:
+    """The same conversation through the kv policy's memory of turns
+    (``gateway.request.turns``): each turn known from the one before when at most a third
+    of it is new, else tokenized whole. vLLM's CPU for the turns tokenized, the gateway's
+    for the digests and the lookups, and how many turns were tokenized."""
+    from gateway.request.turns import Turns
+    from gateway.request.turns import conversation as digested
+    step = max(1, words // turns)
+    memory, messages = Turns(), []
+    asked, mine = 0, 0.0
+    cpu0 = ticks(pid)
+    for t in range(turns):
+        messages.append({"role": "user", "content": " ".join(
+            WORDS[(t + i) % len(WORDS)] for i in range(step))})
+        began = time.process_time()
+        talk = digested(model, {"messages": messages})
+        assert talk is not None
+        known = memory.recall(talk)
+        mine += time.process_time() - began
+        if known is None:
+            raw, _ = post(url + "/tokenize", {"model": model, "messages": messages})
+            asked += 1
+            memory.keep(talk, loads(raw)["tokens"])
+        messages.append({"role": "assistant", "content": f"Answer {t}."})
+    return {"turns": turns, "tokenized_turns": asked,
+            "remembered_vllm_cpu_ms": round((ticks(pid) - cpu0) * 1000, 1),
+            "remembered_gateway_cpu_ms": round(mine * 1000, 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
@@ -151,8 +182,10 @@ def main() -> None:
             row.update(local(args.local, args.url, args.model, words, args.n))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    talk = conversation(args.url, args.model, sized(args.url, args.model, SIZES[-1]), args.pid,
-                        args.turns)
+    words = sized(args.url, args.model, SIZES[-1])
+    talk = conversation(args.url, args.model, words, args.pid, args.turns)
+    if importlib.util.find_spec("orjson") is not None:  # the gateway's venv
+        talk.update(remembered(args.url, args.model, words, args.pid, args.turns))
     print(json.dumps(talk), flush=True)
     if args.out:
         with open(args.out, "w") as f:
