@@ -137,6 +137,9 @@ def _sim(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         kv_events=args.kv_events, kv_replay=args.kv_replay, kv_block=args.kv_block,
         kv_blocks=args.kv_blocks, kv_drop=args.kv_drop, token_details=args.token_details,
+        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        sleep_mode=args.enable_sleep_mode, wake_delay=args.wake_delay,
+        wake_garbles=args.wake_garbles,
     )
     logs.setup(args.log_level, SimulatedCrash, fmt="text")
     uvicorn.run(
@@ -253,6 +256,11 @@ def _sim_command(sub: Subparsers) -> None:
     sim.add_argument("--token-details", action="store_true",
                      help="cached tokens in each reply's usage (vLLM's "
                           "--enable-prompt-tokens-details)")
+    sim.add_argument("--enable-sleep-mode", action="store_true",
+                     help="vLLM's sleep mode; its routes need VLLM_SERVER_DEV_MODE=1")
+    sim.add_argument("--wake-delay", type=float, default=0.0, help="seconds a wake takes")
+    sim.add_argument("--wake-garbles", action="store_true",
+                     help="a fault: wrong answers after every wake")
     sim.add_argument("--log-level", default="warning")
     sim.set_defaults(func=_sim)
 

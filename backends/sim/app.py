@@ -16,6 +16,7 @@ from backends.sim.kvpub import KvPublisher
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import PrefixCache
 from backends.sim.replies import error_body
+from backends.sim.sleep import GARBLE, Sleep
 from backends.sim.writer import JSON, SSE, SimulatedCrash, respond, write
 
 __all__ = ["SimApp", "SimStats", "SimulatedCrash"]
@@ -61,6 +62,8 @@ class SimApp:
         self._random = random.Random(options.seed)
         self.stored: dict[str, dict[str, Any]] = {}  # the Responses API's store (in memory)
         self._slots = asyncio.Semaphore(options.capacity) if options.capacity else None
+        self.sleep = Sleep(options.sleep_mode, options.wake_delay, options.wake_garbles,
+                           self.prefix.clear)
         self._routes: dict[str, tuple[str, Handler]] = {
             validate.CHAT: ("POST", self._completion),
             validate.COMPLETIONS: ("POST", self._completion),
@@ -77,6 +80,7 @@ class SimApp:
             "/metrics": ("GET", self._metrics),
             "/sim/stats": ("GET", self._stats),
             "/sim/fault": ("POST", self._fault),
+            **(self.sleep.routes() if options.dev_mode else {}),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -130,7 +134,7 @@ class SimApp:
             ("vllm:prefix_cache_hits_total", "counter", self.prefix.hits),
         ]
         text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n"
-                       for name, kind, value in lines)
+                       for name, kind, value in lines) + self.sleep.metrics(self.options.models[0])
         await respond(send, 200, text.encode(), METRICS)
 
     def _max_model_len(self, opts: SimOptions | None = None) -> int:
@@ -198,11 +202,12 @@ class SimApp:
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or opts.tokens
         completion = Completion(chat=scope["path"] == validate.CHAT, model=str(body["model"]),
                                 prompt_tokens=len(prompt), n_tokens=int(n_tokens),
-                                first=first_token(body),
+                                first=first_token(body) + GARBLE * self.sleep.garbled,
                                 cached=cached if opts.token_details else None)
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         watcher = cancel_on_disconnect(receive)
         try:
+            await self.sleep.until_awake()  # vLLM's scheduler is paused while it sleeps
             if self._slots is not None:
                 self.stats.waiting += 1
                 try:

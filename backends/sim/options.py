@@ -47,6 +47,12 @@ class SimOptions:
     kv_blocks: int = 200_000
     kv_drop: int = 0
     token_details: bool = False
+    # vLLM's sleep mode (backends/sim/sleep.py): its dev routes (VLLM_SERVER_DEV_MODE=1),
+    # --enable-sleep-mode, seconds a wake takes, and the fault of wrong answers after a wake.
+    dev_mode: bool = False
+    sleep_mode: bool = False
+    wake_delay: float = 0.0
+    wake_garbles: bool = False
 
     @classmethod
     def parse_model(cls, spec: str) -> tuple[str, str]:

@@ -176,3 +176,20 @@ def test_embeddings_in_base64_with_the_sdk(gateway: Gateway) -> None:
                                             encoding_format="base64")
     floats = [struct.unpack("<8f", base64.b64decode(str(d.embedding))) for d in raw.data]
     assert [list(f) for f in floats] == [d.embedding for d in decoded.data]
+
+
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+    ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"),
+    ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter")])
+def test_vllms_control_routes_are_never_forwarded(gateway: Gateway, sims: list[Sim],
+                                                  method: str, path: str) -> None:
+    """vLLM's dev routes (sleep, weights, caches) and adapter loading act on the instance
+    for every tenant: a client's request for them is a 404 from the gateway itself, and no
+    backend sees it."""
+    before = [sim.stats()["requests"] for sim in sims]
+    reply = httpx.request(method, gateway.url + path, params={"level": 2},
+                          json={"method": "reload_weights"})
+    assert reply.status_code == 404
+    assert reply.json()["error"]["code"] == "not_found"  # the OpenAI error format
+    assert [sim.stats()["requests"] for sim in sims] == before
