@@ -60,13 +60,15 @@ class Backend:
     """
 
     __slots__ = ("_state", "_streak", "busy_until", "capacity", "cards", "flaps", "in_flight",
-                 "last_probe", "load", "models", "pid", "restarts", "spec", "started_at", "url")
+                 "last_probe", "load", "models", "pid", "restarts", "spec", "started_at", "url",
+                 "uses")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.url = spec.base_url
         self._state = BackendState.STARTING
         self.in_flight = 0
+        self.uses = 0  # attempts sent here by this process, ever (its idle time is told by it)
         self.capacity = spec.capacity  # requests at once; 0: no limit
         self.models: frozenset[str] = frozenset()
         self.cards: dict[str, dict[str, Any]] = {}  # each model's entry in vLLM's /v1/models

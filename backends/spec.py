@@ -8,7 +8,7 @@ import re
 import tempfile
 import urllib.parse
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -87,6 +87,17 @@ class SpawnSpec(BaseModel):
     # vLLM publishes its KV-cache events (on by default with routing.policy = "kv"), on a
     # unix socket of the gateway's choosing (kv_endpoints).
     kv_events: bool = False
+    # On demand (issue 39): "on_demand" starts it at its model's first request, not at
+    # boot; stop_after stops it once idle that long (it starts again on demand); a request
+    # waits up to wake_timeout for it, then gets a 503 with Retry-After.
+    start: Literal["boot", "on_demand"] = "boot"
+    stop_after: float | None = Field(default=None, gt=0, description="idle seconds")
+    wake_timeout: float = Field(default=180.0, gt=0)
+
+    @property
+    def on_demand(self) -> bool:
+        """Started and stopped by demand: the gateway may start it for a request."""
+        return self.start == "on_demand" or self.stop_after is not None
 
     @property
     def name_served(self) -> str:

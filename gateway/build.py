@@ -32,6 +32,7 @@ from gateway.canary.shadow import Shadow
 from gateway.canary.sync import CanarySync
 from gateway.canary.tally import Tally
 from gateway.config import Config
+from gateway.control.demand import Demand
 from gateway.control.link import ControlLink, ForwardedAdmin
 from gateway.control.role import SINGLE, Kind, Role
 from gateway.control.server import WorkerTable
@@ -52,6 +53,7 @@ from gateway.request.cache import CacheLookup
 from gateway.request.lookup import Lookup
 from gateway.request.parse import RequestParser
 from gateway.request.plan import Planner
+from gateway.request.waking import Waking
 from gateway.resilience.breaker import Breakers, MetricsListener
 from gateway.resilience.breaker_sync import BreakerSync
 from gateway.resilience.degraded import Degraded
@@ -95,6 +97,7 @@ class Serving:
     degraded: Degraded
     queue: WaitQueue
     feeds: Feeds | None  # routing.policy = "kv": the backends' KV events, indexed
+    waking: Waking  # requests waiting for an instance demand starts
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class Parts:
     link: ControlLink | None  # a serving worker: its line to the control process
     keyring: Keyring  # the API keys and their tenants
     ledger: Ledger  # what each key used
+    demand: Demand | None = None  # the control plane: instances started and stopped by demand
 
     @property
     def proxy(self) -> Proxy:
@@ -219,7 +223,20 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
                            shared, workers, control, discovery)
     return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
-                 control, keyring, ledger)
+                 control, keyring, ledger, _demand(role, pool, supervisors, workers, serving))
+
+
+def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
+            workers: WorkerTable | None, serving: Serving | None) -> Demand | None:
+    """The control plane's starts and stops by demand, told what is used and wanted by its
+    workers' reports, or (one process alone) by its own request path."""
+    if role.control is not None:
+        return None
+    if workers is not None:
+        return Demand(pool, supervisors, workers.uses, workers.wanted)
+    waking = serving.waking if serving is not None else None
+    return Demand(pool, supervisors, lambda: {b.name: b.uses for b in pool.backends},
+                  lambda: set(waking.wanted()) if waking is not None else set())
 
 
 def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary: Canary,
@@ -255,7 +272,7 @@ def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary:
     parse = RequestParser(config, responses, pool, config.injects_usage)
     access = RequestLog(metrics, config.gateway.access_log, tracer)
     proxy = Proxy(config, parse, gate, plans, opener, relay, Rescue(pool, degraded), access)
-    return Serving(proxy, upstream, router, replies, degraded, queue, feeds)
+    return Serving(proxy, upstream, router, replies, degraded, queue, feeds, plans.waking)
 
 
 def _own_counts(serving: Serving | None) -> Callable[[], dict[str, Any]]:
@@ -292,7 +309,8 @@ def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
         return None
     router, degraded = serving.router, serving.degraded
     return ControlLink(role.control, pool, replaced=metrics.workers_replaced,
-                       pins=lambda: router.pins_made, recent=lambda: degraded.recent)
+                       pins=lambda: router.pins_made, recent=lambda: degraded.recent,
+                       wanted=serving.waking.wanted)
 
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,

@@ -88,10 +88,14 @@ class Lifespan:
     @contextlib.asynccontextmanager
     async def _backends(self) -> AsyncIterator[None]:
         parts, reloadable = self._parts, self._parts.reloadable
+        supervisors = list(parts.supervisors.values())
+        if parts.demand is not None:  # the on-demand ones wait for their first request
+            parts.demand.boot()
+            supervisors = [s for s in supervisors if parts.demand.at_boot(s)]
         if self._config.supervisor.sequential_start:
-            background(reloadable, start_in_turn(list(parts.supervisors.values())))
+            background(reloadable, start_in_turn(supervisors))
         else:
-            for supervisor in parts.supervisors.values():
+            for supervisor in supervisors:
                 supervisor.start()
         loops = await self._loops()
         reload = parts.operators.reload
@@ -138,6 +142,8 @@ class Lifespan:
             await parts.checker.check_all()
             loops += [asyncio.create_task(parts.checker.run(), name="health"),
                       *await self._load_scraper()]
+            if parts.demand is not None:
+                loops.append(asyncio.create_task(parts.demand.run(), name="demand"))
         else:
             loops.append(asyncio.create_task(parts.link.run(), name="control-link"))
         if kind is not Kind.CONTROL:

@@ -56,7 +56,8 @@ class ControlLink:
     def __init__(self, path: str, pool: BackendPool, interval: float = 0.2,
                  replaced: Gauge | None = None,
                  pins: Callable[[], dict[str, int]] = dict,
-                 recent: Callable[[], Iterable[dict[str, Any]]] = tuple) -> None:
+                 recent: Callable[[], Iterable[dict[str, Any]]] = tuple,
+                 wanted: Callable[[], list[str]] = list) -> None:
         self._path = path
         self._pool = pool
         self._interval = interval
@@ -67,6 +68,7 @@ class ControlLink:
         # Summed over the workers by the control process, as of the last sync.
         self.replica: dict[str, Any] = {"in_flight": {}, "pins": {}}
         self._recent = recent  # this worker's recent degraded replies, newest first
+        self._wanted = wanted  # models its requests wait for (their instances stopped)
         self._told = 0.0  # the newest of them the control process was told of
         self.problems = self.adopt.problems
         self._failing = False
@@ -102,10 +104,11 @@ class ControlLink:
         return self._session
 
     async def sync_once(self) -> None:
-        backends = {b.name: [b.in_flight, b.state.value] for b in self._pool.backends}
+        backends = {b.name: [b.in_flight, b.state.value, b.uses] for b in self._pool.backends}
         new = [e for e in self._recent() if float(e["at"]) > self._told]
         body = orjson.dumps({"pid": os.getpid(), "backends": backends, "pins": self._pins(),
-                             "config": self.config_version, "degraded": new})
+                             "config": self.config_version, "degraded": new,
+                             "wanted": self._wanted()})
         async with self._http().post(BASE + "/control/sync", data=body,
                                      timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
             reply.raise_for_status()

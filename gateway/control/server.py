@@ -57,6 +57,8 @@ class WorkerTable:
         self._config: tuple[int, str] | None = None  # the last reload's: (version, text)
         self._kept: str | None = None  # where new workers read that text
         self._degraded: list[dict[str, Any]] = []  # every worker's recent ones, newest first
+        self._uses: dict[int, dict[str, int]] = {}  # attempts each worker sent each backend
+        self._wanted: dict[int, list[str]] = {}  # models each worker's requests wait for
 
     def add(self, pid: int) -> None:
         self.pids.add(pid)
@@ -68,6 +70,8 @@ class WorkerTable:
         self._reports.pop(pid, None)
         self._pins.pop(pid, None)
         self._born.pop(pid, None)
+        self._uses.pop(pid, None)
+        self._wanted.pop(pid, None)
         self._count()
 
     def silent(self) -> dict[int, float]:
@@ -132,6 +136,19 @@ class WorkerTable:
         return {"in_flight": {b.name: in_flight.get(b.name, 0) for b in self._pool.backends},
                 "pins": pins, "degraded": self._degraded}
 
+    def uses(self) -> dict[str, int]:
+        """Attempts sent to each backend, summed over the live workers (a worker's end
+        makes the sum go back: a change, as a use is)."""
+        out: dict[str, int] = {}
+        for made in self._uses.values():
+            for name, n in made.items():
+                out[name] = out.get(name, 0) + n
+        return out
+
+    def wanted(self) -> set[str]:
+        """The models some worker's requests wait for."""
+        return {m for models in self._wanted.values() for m in models}
+
     async def settle(self, within: float = 2.0, poll: float = 0.02) -> None:
         """Wait until every worker has reported since now (so it has seen what changed)."""
         start = self._clock()
@@ -155,9 +172,14 @@ class WorkerTable:
 
     async def _sync(self, request: Request) -> Response:
         data = orjson.loads(await request.body())
-        report = {name: (int(n), str(state)) for name, (n, state) in data["backends"].items()}
+        report = {name: (int(v[0]), str(v[1])) for name, v in data["backends"].items()}
         pins = {str(name): int(n) for name, n in data.get("pins", {}).items()}
-        snapshot = self.report(int(data["pid"]), report, pins, data.get("degraded", ()))
+        pid = int(data["pid"])
+        snapshot = self.report(pid, report, pins, data.get("degraded", ()))
+        if pid in self.pids:
+            self._uses[pid] = {name: int(v[2]) for name, v in data["backends"].items()
+                               if len(v) > 2}
+            self._wanted[pid] = [str(m) for m in data.get("wanted", ())]
         answer = {"snapshot": snapshot, "replica": self.replica(), "replaced": self.replaced}
         if self._config is not None and int(data.get("config", 0)) < self._config[0]:
             answer["config"] = {"version": self._config[0], "text": self._config[1]}

@@ -155,7 +155,12 @@ class Proxy:
 
     async def _serve(self, record: Record, send: Send, deadline: Deadline,
                      admission: Admission | None) -> None:
-        total = asyncio.get_running_loop().time() + self._timeouts.total_timeout
+        loop, waking = asyncio.get_running_loop(), self._plans.waking
+        wait = waking.within(record.request.model)
+        if wait is not None:  # its model's instances are stopped: one is being started
+            deadline.until(loop.time() + wait + 1.0)
+            await waking(record.request.model, wait)
+        total = loop.time() + self._timeouts.total_timeout
         plan = await self._plans.begin(record, admission)  # its one Redis round trip
         await self._attempts(plan, send, deadline, total)
 

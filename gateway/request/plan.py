@@ -22,6 +22,7 @@ from gateway.metrics import Metrics
 from gateway.observability.tracing import Tracing
 from gateway.request.cache import CacheLookup
 from gateway.request.lookup import Lookup
+from gateway.request.waking import Waking
 from gateway.resilience.attempt import (
     Attempt,
     Failed,
@@ -96,6 +97,7 @@ class Planner:
         self._metrics = metrics
         self._tracing = tracing
         self._budget = RetryBudget(timeouts.retry_budget_ratio, timeouts.retry_budget_floor)
+        self.waking = Waking(pool)
 
     async def begin(self, record: Record, admission: Admission | None) -> Plan:
         """The request's plan. Its canary arm is drawn and the backend its session would be

@@ -104,6 +104,7 @@ class Attempt:
 
     def __enter__(self) -> Ticket:
         self._ticket.backend.in_flight += 1
+        self._ticket.backend.uses += 1
         return self._ticket
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,

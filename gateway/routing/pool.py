@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from backends.backend import Backend
+from backends.backend import Backend, BackendState
 from gateway.config import ModelRoute
 from gateway.routing.names import ModelNames
 
@@ -21,10 +21,16 @@ class BackendPool:
         self.backends = list(backends)
         self.allows = allows  # the circuit breakers' say
         self.names = names if names is not None else ModelNames()
+        self.on_demand = self._any_on_demand()
 
     def replace(self, backends: Sequence[Backend]) -> None:
         """The backends after a reload, in place: the health checker walks the same list."""
         self.backends[:] = backends
+        self.on_demand = self._any_on_demand()
+
+    def _any_on_demand(self) -> bool:
+        """Some backend is started by demand (a request may have to wait for it)."""
+        return any(b.spec.spawn is not None and b.spec.spawn.on_demand for b in self.backends)
 
     def remap(self, routes: Sequence[ModelRoute]) -> None:
         """A new ``[[models]]`` map (a reload). Everyone asks the pool for it per request,
@@ -50,6 +56,15 @@ class BackendPool:
     def known_model(self, model: str, group: str | None = None) -> bool:
         """Some backend (in ``group`` when given) has said it serves ``model``."""
         return any(self._serves(b, model, group) for b in self.backends)
+
+    def demanded(self, model: str) -> list[Backend]:
+        """The spawned backends of ``model`` that demand starts and stops (issue 39), in
+        any state: known by what they are configured to serve before they first ran."""
+        names = self.names
+        return [b for b in self.backends
+                if b.spec.spawn is not None and b.spec.spawn.on_demand
+                and (names.client(b.spec.group, b.spec.spawn.name_served) == model
+                     or any(names.client(b.spec.group, m) == model for m in b.models))]
 
     def declared(self, model: str) -> bool:
         """The config names ``model`` (a ``[[models]]`` entry, or what a spawned backend
@@ -88,7 +103,10 @@ class BackendPool:
 
     @property
     def ready(self) -> bool:
-        return any(b.routable for b in self.backends)
+        """Some backend can serve now, or can be started for a request (on demand)."""
+        return any(b.routable or (b.spec.spawn is not None and b.spec.spawn.on_demand
+                                  and b.state is not BackendState.FAILED)
+                   for b in self.backends)
 
     def __repr__(self) -> str:
         routable = sum(b.routable for b in self.backends)

@@ -1,0 +1,149 @@
+"""Instances started and stopped by demand (``gateway.control.demand``) and the requests
+that wait for them (``gateway.request.waking``), without processes: an on-demand instance
+is not started at boot but when its model is wanted, once; an idle one is drained and
+stopped after ``stop_after`` and started again when wanted; a failed one stays failed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from backends.backend import Backend, BackendState
+from gateway.control.demand import Demand
+from gateway.request.waking import Waking
+from gateway.routing.pool import BackendPool
+from tests.factories import backend
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSupervisor:
+    """Starts and stops at once: the backend is ready when started, stopped when stopped."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.started = self.stopped = 0
+
+    def start(self) -> bool:
+        self.started += 1
+        return True
+
+    async def drain_and_stop(self) -> bool:
+        self.backend.drain()
+        self.stopped += 1
+        self.backend.stop()
+        return True
+
+
+def spawned(name: str, model: str = "m", **spawn: Any) -> Backend:
+    return backend(name, spawn={"model": model, "port": 9, **spawn})
+
+
+def demand(*backends: Backend, wanted: set[str] | None = None
+           ) -> tuple[Demand, dict[str, FakeSupervisor], Clock, set[str]]:
+    clock, asked = Clock(), wanted if wanted is not None else set()
+    supervisors = {b.name: FakeSupervisor(b) for b in backends}
+    d = Demand(BackendPool(backends), supervisors,  # type: ignore[arg-type]
+               lambda: {b.name: b.uses for b in backends}, lambda: asked, clock)
+    return d, supervisors, clock, asked
+
+
+def test_an_on_demand_instance_starts_at_its_models_first_request_once() -> None:
+    async def test() -> None:
+        lazy, other = spawned("lazy", start="on_demand"), spawned("boot", model="n")
+        d, supervisors, _, asked = demand(lazy, other)
+        d.boot()
+        assert lazy.state is BackendState.STOPPED and other.state is BackendState.STARTING
+        assert [d.at_boot(s) for s in supervisors.values()] == [False, True]  # type: ignore
+        d.look()
+        assert supervisors["lazy"].started == 0  # nobody asked
+        asked.add("m")
+        d.look()
+        d.look()  # wanted still, and starting: not started twice
+        assert supervisors["lazy"].started == 1 and lazy.state is BackendState.STARTING
+        assert d.starts == 1
+    asyncio.run(test())
+
+
+def test_an_idle_instance_stops_after_stop_after_and_comes_back_when_wanted() -> None:
+    async def test() -> None:
+        idle = spawned("idle", stop_after=30)
+        idle.mark_ready()
+        d, supervisors, clock, asked = demand(idle)
+        d.look()  # first seen ready: its idle time starts
+        clock.now = 20
+        idle.uses += 1  # a request went there meanwhile
+        d.look()
+        clock.now = 45
+        d.look()
+        assert supervisors["idle"].stopped == 0  # 25 s since that request
+        clock.now = 51
+        d.look()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert supervisors["idle"].stopped == 1 and idle.state is BackendState.STOPPED
+        asked.add("m")
+        d.look()
+        assert supervisors["idle"].started == 1 and d.stops == 1
+    asyncio.run(test())
+
+
+def test_an_instance_with_requests_in_flight_is_never_idle() -> None:
+    async def test() -> None:
+        busy = spawned("busy", stop_after=5)
+        busy.mark_ready()
+        busy.in_flight = 1  # one long stream, and nothing new
+        d, supervisors, clock, _ = demand(busy)
+        for now in range(0, 60, 5):
+            clock.now = now
+            d.look()
+        assert supervisors["busy"].stopped == 0
+    asyncio.run(test())
+
+
+def test_a_stopped_instance_starts_when_wanted_a_failed_one_does_not() -> None:
+    async def test() -> None:
+        stopped, failed = spawned("stopped", stop_after=5), spawned("failed", model="n",
+                                                                     start="on_demand")
+        stopped.stop()  # by the admin verb: the gateway owns an on-demand instance's life
+        failed.fail()
+        d, supervisors, _, _ = demand(stopped, failed, wanted={"m", "n"})
+        d.look()
+        assert supervisors["stopped"].started == 1 and supervisors["failed"].started == 0
+    asyncio.run(test())
+
+
+def test_a_request_waits_while_its_models_instance_starts() -> None:
+    async def test() -> None:
+        lazy = spawned("lazy", start="on_demand", wake_timeout=5)
+        lazy.stop()
+        waking = Waking(BackendPool([lazy]))
+        assert waking.within("m") == 5 and waking.within("other") is None
+        waiting = asyncio.create_task(waking("m", 5))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and waking.wanted() == ["m"]
+        lazy.start_over()
+        lazy.mark_ready()
+        lazy.models = frozenset({"m"})  # what its /v1/models says once up
+        await asyncio.wait_for(waiting, 1)
+        assert waking.within("m") is None  # up: nobody waits
+    asyncio.run(test())
+
+
+def test_a_request_gives_up_after_the_wake_timeout() -> None:
+    async def test() -> None:
+        lazy = spawned("lazy", start="on_demand", wake_timeout=0.2)
+        lazy.stop()
+        waking = Waking(BackendPool([lazy]))
+        began = asyncio.get_running_loop().time()
+        within = waking.within("m")
+        assert within == 0.2
+        await asyncio.wait_for(waking("m", within), 2)
+        assert asyncio.get_running_loop().time() - began >= 0.2
+    asyncio.run(test())
