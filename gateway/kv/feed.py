@@ -90,7 +90,8 @@ class Feed:
                 ready = dict(await poller.poll())
                 if monitor in ready:
                     await monitor.recv_multipart()
-                    await self.lost()
+                    await self.lost(sub)
+                    continue
                 if sub in ready:
                     await self.receive(await sub.recv_multipart())
         finally:
@@ -99,13 +100,20 @@ class Feed:
             monitor.close(linger=0)
             sub.close()
 
-    async def lost(self) -> None:
+    async def lost(self, sub: zmq.asyncio.Socket | None = None) -> None:
         """The publisher went away: the instance stopped or restarted (its seq may even
         pass the last one seen before the subscription is back, which would look like a
         gap), or the connection broke. Its blocks are dropped, and the first replay asked
-        again: the new instance's, or the same one's whole buffer."""
+        again: the new instance's, or the same one's whole buffer. Batches still queued on
+        ``sub`` are dropped first (the replay from 0 says whatever they said): read after
+        the reset, they would look like a gap."""
         log.info("kv events of %s: the publisher went away; its blocks are dropped",
                  self.backend)
+        while sub is not None:
+            try:
+                await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
         self._reset()
         self.synced = False
         await self.sync()
