@@ -97,6 +97,11 @@ class Backend:
         return self.spec.spawn is not None
 
     @property
+    def on_demand(self) -> bool:
+        """Spawned with ``start = "on_demand"``: started by its model's first request."""
+        return self.spec.spawn is not None and self.spec.spawn.on_demand
+
+    @property
     def routable(self) -> bool:
         return self._state is BackendState.READY and (
             not self.busy_until or time.monotonic() >= self.busy_until)

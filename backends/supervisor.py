@@ -144,6 +144,13 @@ class Supervisor:
             self._run(), name=f"supervise {self.backend.name}")
         return True
 
+    def waits_for_demand(self) -> bool:
+        """True for an on-demand instance, marked stopped instead of started (at boot or
+        when a reload adds it): its model's first request starts it."""
+        if self.backend.on_demand:
+            self.backend.stop()
+        return self.backend.on_demand
+
     async def stop(self) -> None:
         await self._halt()
         self.backend.stop()

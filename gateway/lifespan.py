@@ -88,10 +88,7 @@ class Lifespan:
     @contextlib.asynccontextmanager
     async def _backends(self) -> AsyncIterator[None]:
         parts, reloadable = self._parts, self._parts.reloadable
-        supervisors = list(parts.supervisors.values())
-        if parts.demand is not None:  # the on-demand ones wait for their first request
-            parts.demand.boot()
-            supervisors = [s for s in supervisors if parts.demand.at_boot(s)]
+        supervisors = [s for s in parts.supervisors.values() if not s.waits_for_demand()]
         if self._config.supervisor.sequential_start:
             background(reloadable, start_in_turn(supervisors))
         else:

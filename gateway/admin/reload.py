@@ -160,6 +160,8 @@ def _start_after(parts: Reloadable, backend: Backend,
         return  # a serving worker: the control process starts it, the link says when
     supervisor = parts.make_supervisor(backend)
     parts.supervisors[backend.name] = supervisor
+    if supervisor.waits_for_demand():
+        return
 
     async def start() -> None:
         if predecessor is not None:

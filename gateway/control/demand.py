@@ -41,18 +41,6 @@ class Demand:
         self.starts = 0
         self.stops = 0
 
-    def boot(self) -> None:
-        """The on-demand instances, not started: stopped until their model is asked for."""
-        for backend in self._pool.backends:
-            spawn = backend.spec.spawn
-            if spawn is not None and spawn.start == "on_demand":
-                backend.stop()
-
-    def at_boot(self, supervisor: Supervisor) -> bool:
-        """Whether ``supervisor``'s instance starts with the gateway."""
-        spawn = supervisor.backend.spec.spawn
-        return spawn is None or spawn.start == "boot"
-
     def look(self) -> None:
         """Start an instance for each model waited for; stop those idle too long."""
         for model in sorted(self._wanted()):
@@ -60,7 +48,11 @@ class Demand:
         now, uses = self._clock(), self._uses()
         for backend in self._pool.backends:
             spawn = backend.spec.spawn
-            if spawn is None or spawn.stop_after is None or backend.state is not BackendState.READY:
+            if spawn is None or spawn.stop_after is None:
+                continue
+            if backend.state is not BackendState.READY:  # its idle time starts when it is
+                self._active.pop(backend.name, None)
+                self._seen.pop(backend.name, None)
                 continue
             used = uses.get(backend.name, backend.uses)
             if (backend.in_flight or used != self._seen.get(backend.name)

@@ -30,7 +30,7 @@ class BackendPool:
 
     def _any_on_demand(self) -> bool:
         """Some backend is started by demand (a request may have to wait for it)."""
-        return any(b.spec.spawn is not None and b.spec.spawn.on_demand for b in self.backends)
+        return any(b.on_demand for b in self.backends)
 
     def remap(self, routes: Sequence[ModelRoute]) -> None:
         """A new ``[[models]]`` map (a reload). Everyone asks the pool for it per request,
@@ -60,22 +60,22 @@ class BackendPool:
     def demanded(self, model: str) -> list[Backend]:
         """The spawned backends of ``model`` that demand starts and stops (issue 39), in
         any state: known by what they are configured to serve before they first ran."""
-        names = self.names
-        return [b for b in self.backends
-                if b.spec.spawn is not None and b.spec.spawn.on_demand
-                and (names.client(b.spec.group, b.spec.spawn.name_served) == model
-                     or any(names.client(b.spec.group, m) == model for m in b.models))]
+        return [b for b in self.backends if b.on_demand and (
+            self._configured(b, model)
+            or any(self.names.client(b.spec.group, m) == model for m in b.models))]
+
+    def _configured(self, b: Backend, model: str) -> bool:
+        """A spawned backend is configured to serve ``model`` (by the name clients use)."""
+        return b.spec.spawn is not None and self.names.client(
+            b.spec.group, b.spec.spawn.name_served) == model
 
     def declared(self, model: str) -> bool:
         """The config names ``model`` (a ``[[models]]`` entry, or what a spawned backend
         serves), whether or not a backend has answered for it yet: a request for it gets
         the degraded answers (reply cache, fallback model, static reply) or a 503, never
         the 404 of a model that does not exist."""
-        names = self.names
-        return names.declares(model) or any(
-            b.spec.spawn is not None
-            and names.client(b.spec.group, b.spec.spawn.name_served) == model
-            for b in self.backends)
+        return self.names.declares(model) or any(
+            self._configured(b, model) for b in self.backends)
 
     def models(self) -> list[str]:
         """The union of models over routable backends, by the names clients use."""
@@ -104,8 +104,7 @@ class BackendPool:
     @property
     def ready(self) -> bool:
         """Some backend can serve now, or can be started for a request (on demand)."""
-        return any(b.routable or (b.spec.spawn is not None and b.spec.spawn.on_demand
-                                  and b.state is not BackendState.FAILED)
+        return any(b.routable or (b.on_demand and b.state is not BackendState.FAILED)
                    for b in self.backends)
 
     def __repr__(self) -> str:

@@ -63,3 +63,22 @@ def test_a_request_that_waits_longer_than_wake_timeout_gets_a_503_with_retry_aft
         assert status(gw)["slow"]["state"] == "starting"  # asked for, still coming
     finally:
         gw.stop()
+
+
+def test_a_reload_does_not_start_an_on_demand_instance(tmp_path: Path) -> None:
+    """A reload that changes an on-demand backend (a new spec: a new supervisor) keeps it
+    stopped until its model is asked for, as at boot."""
+    config = supervisor_toml(tmp_path) + spawned(
+        "lazy", SIM, 'start = "on_demand"\nstop_after = 30\nwake_timeout = 20')
+    gw = Gateway(tmp_path, config, name="demand-reload")
+    try:
+        wait_for(lambda: http_ok(gw.url + "/admin/status"), 20, "gateway up")
+        gw.config_path.write_text(gw.config_path.read_text().replace(
+            "stop_after = 30", "stop_after = 40"))
+        reply = httpx.post(gw.url + "/admin/reload", json={"who": "test"}, timeout=30)
+        assert reply.status_code == 200 and reply.json()["added"] == ["lazy"]
+        wait_for(lambda: status(gw)["lazy"]["state"] == "stopped", 5, "stopped after reload")
+        assert status(gw)["lazy"]["pid"] is None
+        assert chat(gw).http_response.status_code == 200  # and started when asked for
+    finally:
+        gw.stop()

@@ -9,6 +9,8 @@ import asyncio
 from typing import Any
 
 from backends.backend import Backend, BackendState
+from backends.health import ProbeResult
+from backends.supervisor import Supervisor, SupervisorSettings
 from gateway.control.demand import Demand
 from gateway.request.waking import Waking
 from gateway.routing.pool import BackendPool
@@ -58,9 +60,7 @@ def test_an_on_demand_instance_starts_at_its_models_first_request_once() -> None
     async def test() -> None:
         lazy, other = spawned("lazy", start="on_demand"), spawned("boot", model="n")
         d, supervisors, _, asked = demand(lazy, other)
-        d.boot()
-        assert lazy.state is BackendState.STOPPED and other.state is BackendState.STARTING
-        assert [d.at_boot(s) for s in supervisors.values()] == [False, True]  # type: ignore
+        lazy.stop()  # as the gateway's start leaves it (waits_for_demand)
         d.look()
         assert supervisors["lazy"].started == 0  # nobody asked
         asked.add("m")
@@ -69,6 +69,18 @@ def test_an_on_demand_instance_starts_at_its_models_first_request_once() -> None
         assert supervisors["lazy"].started == 1 and lazy.state is BackendState.STARTING
         assert d.starts == 1
     asyncio.run(test())
+
+
+def test_an_on_demand_instance_waits_for_demand_instead_of_starting() -> None:
+    real = {b.name: Supervisor(b, SupervisorSettings(), probe)
+            for b in (spawned("lazy", start="on_demand"), spawned("boot", model="n"))}
+    assert [s.waits_for_demand() for s in real.values()] == [True, False]
+    assert real["lazy"].backend.state is BackendState.STOPPED
+    assert real["boot"].backend.state is BackendState.STARTING
+
+
+async def probe(_: Backend) -> ProbeResult:
+    return ProbeResult(ok=False)
 
 
 def test_an_idle_instance_stops_after_stop_after_and_comes_back_when_wanted() -> None:
@@ -146,4 +158,22 @@ def test_a_request_gives_up_after_the_wake_timeout() -> None:
         assert within == 0.2
         await asyncio.wait_for(waking("m", within), 2)
         assert asyncio.get_running_loop().time() - began >= 0.2
+    asyncio.run(test())
+
+
+def test_an_instance_back_from_a_restart_starts_its_idle_time_again() -> None:
+    async def test() -> None:
+        crashy = spawned("crashy", stop_after=60)
+        crashy.mark_ready()
+        d, supervisors, clock, _ = demand(crashy)
+        d.look()  # idle from 0
+        clock.now = 50
+        crashy.start_over()  # crashed; its supervisor starts it again
+        d.look()
+        clock.now = 140
+        crashy.mark_ready()
+        d.look()
+        clock.now = 141
+        d.look()
+        assert supervisors["crashy"].stopped == 0  # 1 s idle, not 141
     asyncio.run(test())
