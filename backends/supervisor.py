@@ -145,11 +145,12 @@ class Supervisor:
         return True
 
     def waits_for_demand(self) -> bool:
-        """True for an on-demand instance, marked stopped instead of started (at boot or
-        when a reload adds it): its model's first request starts it."""
-        if self.backend.on_demand:
+        """True for an instance with ``start = "on_demand"``, marked stopped instead of
+        started (at boot or when a reload adds it): its model's first request starts it."""
+        if self._spawn.start == "on_demand":
             self.backend.stop()
-        return self.backend.on_demand
+            return True
+        return False
 
     async def stop(self) -> None:
         await self._halt()
@@ -175,15 +176,17 @@ class Supervisor:
 
     async def drain_and_restart(self) -> bool:
         """Drain, then restart; True when every in-flight request finished first."""
-        drained = await drain(self.backend, self._settings.drain_timeout,
-                              settle=self._settle)
+        drained = await self.drained()
         await self.restart()
         return drained
 
+    async def drained(self) -> bool:
+        """Out of rotation, and its requests (every worker's) ended within drain_timeout."""
+        return await drain(self.backend, self._settings.drain_timeout, settle=self._settle)
+
     async def drain_and_stop(self) -> bool:
         """Drain, then stop for good (the backend left the config)."""
-        drained = await drain(self.backend, self._settings.drain_timeout,
-                              settle=self._settle)
+        drained = await self.drained()
         await self.stop()
         return drained
 

@@ -219,24 +219,30 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
                             supervise if control is None else None,
                             checker if control is None else None, keyring,
                             serving.queue if serving is not None else None)
+    demand = _demand(role, pool, supervisors, workers, serving, metrics)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
-                           shared, workers, control, discovery)
+                           shared, workers, control, discovery, demand)
     return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
-                 control, keyring, ledger, _demand(role, pool, supervisors, workers, serving))
+                 control, keyring, ledger, demand)
 
 
 def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
-            workers: WorkerTable | None, serving: Serving | None) -> Demand | None:
+            workers: WorkerTable | None, serving: Serving | None,
+            metrics: Metrics) -> Demand | None:
     """The control plane's starts and stops by demand, told what is used and wanted by its
     workers' reports, or (one process alone) by its own request path."""
     if role.control is not None:
-        return None
+        return None  # a worker shows the control process's counts, from its link
     if workers is not None:
-        return Demand(pool, supervisors, workers.uses, workers.wanted)
+        demand = Demand(pool, supervisors, workers.uses, workers.wanted)
+        workers.lifecycle = demand.counts  # relayed to the workers, whose /metrics show it
+        return demand
     waking = serving.waking if serving is not None else None
-    return Demand(pool, supervisors, lambda: {b.name: b.uses for b in pool.backends},
-                  lambda: set(waking.wanted()) if waking is not None else set())
+    demand = Demand(pool, supervisors, lambda: {b.name: b.uses for b in pool.backends},
+                    lambda: set(waking.wanted()) if waking is not None else set())
+    metrics.count_lifecycle(demand.counts)
+    return demand
 
 
 def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary: Canary,
@@ -308,22 +314,25 @@ def _control_link(role: Role, pool: BackendPool, metrics: Metrics,
     if role.control is None or serving is None:
         return None
     router, degraded = serving.router, serving.degraded
-    return ControlLink(role.control, pool, replaced=metrics.workers_replaced,
+    link = ControlLink(role.control, pool, replaced=metrics.workers_replaced,
                        pins=lambda: router.pins_made, recent=lambda: degraded.recent,
                        wanted=serving.waking.wanted)
+    metrics.count_lifecycle(lambda: link.lifecycle)
+    return link
 
 
 def _operators(config: Config, path: str | None, pool: BackendPool, breakers: Breakers,
                canary: Canary, status: Status, metrics: Metrics, reloadable: Reloadable,
                shared: SharedState | None, workers: WorkerTable | None,
-               link: ControlLink | None, discovery: Discovery) -> Operators:
+               link: ControlLink | None, discovery: Discovery,
+               demand: Demand | None) -> Operators:
     key = config.gateway.admin_key
     args = (pool, reloadable.supervisors, breakers, key.get_secret_value() if key else None,
             config.supervisor.drain_timeout)
     refusals = Refusals(metrics.auth_failures)
     admin = (ForwardedAdmin(link, *args, refusals=refusals) if link is not None
              else Admin(*args, settle=workers.settle if workers else None,
-                        trusted=workers is not None, refusals=refusals))
+                        trusted=workers is not None, refusals=refusals, demand=demand))
     reloader = Reloader(reloadable, config, path,
                         Discovery(told=link.discovered) if link is not None else discovery)
     reload: Reload = reloader

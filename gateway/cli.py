@@ -208,7 +208,9 @@ def _admin_commands(sub: Subparsers, config: argparse.ArgumentParser) -> None:
     drain.add_argument("--timeout", type=float, help="seconds to wait for in-flight requests")
     for name, text in (("restart", "restart a spawned backend (also after 'failed')"),
                        ("stop", "stop a spawned backend"),
-                       ("start", "start a stopped backend")):
+                       ("start", "start a stopped backend"),
+                       ("sleep", "drain a spawned backend and put it to sleep (sleep mode)"),
+                       ("wake", "wake a sleeping backend and check its answers")):
         verb(name, text).add_argument("backend")
     verb("rolling-restart", "drain and restart every spawned backend, one at a time")
     canary = verb("canary", "the canary rollout: status, set, promote, rollback, pause, resume")

@@ -109,6 +109,8 @@ class Lifespan:
             for job in list(reloadable.background):
                 job.cancel()  # sequential starts and reload drains
             await asyncio.gather(*loops, *reloadable.background, return_exceptions=True)
+            if parts.demand is not None:
+                await parts.demand.aclose()  # its sleeps, wakes and idle stops under way
             await asyncio.gather(*(s.stop() for s in parts.supervisors.values()))
             if parts.serving is not None:
                 await parts.serving.upstream.aclose()

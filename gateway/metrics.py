@@ -10,9 +10,11 @@ weights and readings every process sees alike).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -41,6 +43,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
+        self.lifecycle: Callable[[], LifecycleCounts] | None = None
         r = self.registry
 
         def counter(name: str, text: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -84,7 +87,8 @@ class Metrics:
                                ("backend",), "livesum")
         self.backend_state = gauge(
             "gateway_backend_state", "1 for the state each backend is in (starting, ready, "
-            "unhealthy, draining, stopped, failed)", ("backend", "state"))
+            "unhealthy, draining, stopped, failed, asleep, waking, verifying)",
+            ("backend", "state"))
         # Attempts per group (the canary analysis counts the same things).
         self.group_requests = counter(
             "gateway_group_requests_total", "Upstream attempts per backend group, by outcome: "
@@ -214,5 +218,47 @@ class Metrics:
         if self.multiprocess:
             registry = CollectorRegistry()
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            if self.lifecycle is not None:  # the control process's, relayed to this worker
+                registry.register(Lifecycle(self.lifecycle))
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+    def count_lifecycle(self, source: Callable[[], LifecycleCounts]) -> None:
+        """Export the control plane's counts of each backend's changes of state (issue 39):
+        ``source`` gives them as ``gateway.control.demand.Demand.counts`` does, read in this
+        process (one process alone) or relayed by the control process."""
+        self.lifecycle = source
+        if not self.multiprocess:
+            self.registry.register(Lifecycle(source))
+
+
+# {"transitions": [[backend, from, to, n]], "seconds": [[backend, state, n, sum]],
+#  "checks": [[backend, result, n]]}
+LifecycleCounts = dict[str, list[list[Any]]]
+
+
+class Lifecycle:
+    """The control plane's counts, as metric families at each scrape."""
+
+    def __init__(self, source: Callable[[], LifecycleCounts]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._source()
+        moves = CounterMetricFamily(
+            "gateway_backend_transitions", "Changes of a backend's state made or seen by the "
+            "control plane, from one state to another", labels=("backend", "from", "to"))
+        for backend, old, new, n in counts.get("transitions", ()):
+            moves.add_metric((backend, old, new), n)
+        spent = SummaryMetricFamily(
+            "gateway_backend_state_seconds", "Time a backend spent in a state, observed when it "
+            "left it (waking: the wake; starting: the start...)", labels=("backend", "state"))
+        for backend, state, n, total in counts.get("seconds", ()):
+            spent.add_metric((backend, state), n, total)
+        checks = CounterMetricFamily(
+            "gateway_backend_wake_checks", "Wakes of a sleeping instance, by result: ok (its "
+            "answer the same as at its first ready), wrong_answer, failed (the wake itself); "
+            "all but ok restart it cold", labels=("backend", "result"))
+        for backend, result, n in counts.get("checks", ()):
+            checks.add_metric((backend, result), n)
+        yield from (moves, spent, checks)

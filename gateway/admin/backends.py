@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,10 +28,19 @@ LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+class Sleeps(Protocol):
+    """The control plane's sleep mode (``gateway.control.demand.Demand``)."""
+
+    async def sleep(self, backend: Backend) -> bool: ...
+
+    async def wake(self, backend: Backend) -> bool: ...
+
+
 class Admin:
     def __init__(self, pool: BackendPool, supervisors: dict[str, Supervisor], breakers: Breakers,
                  admin_key: str | None, drain_timeout: float, settle: Settle | None = None,
-                 trusted: bool = False, refusals: Refusals | None = None) -> None:
+                 trusted: bool = False, refusals: Refusals | None = None,
+                 demand: Sleeps | None = None) -> None:
         """``trusted``: every caller may act (the control socket, private to its process's
         user); ``settle``: see ``backends.supervisor.drain``."""
         self._pool = pool
@@ -41,6 +51,7 @@ class Admin:
         self._settle = settle
         self._trusted = trusted
         self._refusals = refusals
+        self._demand = demand  # the control plane's: sleep and wake
 
     def routes(self) -> list[Route]:
         return [
@@ -50,6 +61,8 @@ class Admin:
             Route("/admin/backends/{name}/stop", self.guard(self.stop), methods=["POST"]),
             Route("/admin/backends/{name}/start", self.guard(self.start), methods=["POST"]),
             Route("/admin/rolling-restart", self.guard(self.rolling_restart), methods=["POST"]),
+            Route("/admin/backends/{name}/sleep", self.guard(self.sleep), methods=["POST"]),
+            Route("/admin/backends/{name}/wake", self.guard(self.wake), methods=["POST"]),
         ]
 
     def guard(self, handler: Handler) -> Handler:
@@ -163,6 +176,24 @@ class Admin:
         await read_body(request)
         await action(self._supervisor(backend))
         return JSONResponse({"backend": backend.name, "state": backend.state.value})
+
+    async def sleep(self, request: Request) -> Response:
+        """Drain a backend with sleep mode and put it to sleep (``ok``: it sleeps)."""
+        return await self._sleep_or_wake(request, lambda d, b: d.sleep(b))
+
+    async def wake(self, request: Request) -> Response:
+        """Wake a sleeping backend and check its answer (``ok``: it is ready)."""
+        return await self._sleep_or_wake(request, lambda d, b: d.wake(b))
+
+    async def _sleep_or_wake(self, request: Request,
+                             action: Callable[[Sleeps, Backend], Awaitable[bool]]) -> Response:
+        backend = self._backend(request)
+        await read_body(request)
+        spawn = backend.spec.spawn
+        if self._demand is None or spawn is None or spawn.sleep_after is None:
+            raise NotSpawned("only a spawned backend with sleep_after can sleep")
+        ok = await action(self._demand, backend)
+        return JSONResponse({"backend": backend.name, "ok": ok, "state": backend.state.value})
 
     async def rolling_restart(self, request: Request) -> Response:
         """Drain and restart each spawned backend in turn, waiting until it is ready."""

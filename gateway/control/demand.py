@@ -1,13 +1,19 @@
-"""Spawned instances started and stopped by demand (issue 39, before sleep mode): a backend
-with ``start = "on_demand"`` is not started at boot but at its model's first request, and
-one with ``stop_after`` is drained and stopped once no request has gone to it for that
-long, then started again on demand. The control plane owns it for every serving process:
-they tell it the models their requests wait for (``gateway.request.waking``) and how many
-attempts they sent each backend, a few times a second.
+"""Spawned instances started, stopped, put to sleep and woken by demand (issue 39). The
+control plane owns each instance's life for every serving process: they tell it the models
+their requests wait for (``gateway.request.waking``) and how many attempts they sent each
+backend, a few times a second.
 
-One start per wanted model at a time: a model with an instance up or starting starts no
-other. A stopped on-demand instance is started when its model is asked for, whoever
-stopped it (the gateway owns its life); a failed one stays failed.
+- ``start = "on_demand"``: not started at boot (``Supervisor.waits_for_demand``) but at its
+  model's first request.
+- ``sleep_after``: idle that long, it is drained and put to sleep (``gateway.control.sleep``);
+  a request for its model wakes it, and its answer to a temperature-0 check must equal the
+  one it gave when it first became ready, or it is restarted cold.
+- ``stop_after``: idle that long (asleep or not), it is drained and stopped.
+
+One start or wake per wanted model at a time: a model with an instance up, starting or
+waking starts no other. A stopped on-demand instance is started when its model is asked
+for, whoever stopped it (the gateway owns its life); a failed one stays failed. Every
+change of state is logged and counted with the time spent in the state left.
 """
 
 from __future__ import annotations
@@ -15,83 +21,212 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
 
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
+from gateway.control.sleep import Sleeper
+from gateway.metrics import LifecycleCounts
 from gateway.routing.pool import BackendPool
 
 log = logging.getLogger("gateway.demand")
 
-UP = (BackendState.READY, BackendState.STARTING, BackendState.UNHEALTHY)
+UP = (BackendState.READY, BackendState.STARTING, BackendState.UNHEALTHY,
+      BackendState.WAKING, BackendState.VERIFYING)
+IDLE = (BackendState.READY, BackendState.ASLEEP)  # states whose idle time counts
 
 
 class Demand:
     def __init__(self, pool: BackendPool, supervisors: Mapping[str, Supervisor],
                  uses: Callable[[], dict[str, int]], wanted: Callable[[], set[str]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sleeper: Sleeper | None = None) -> None:
         self._pool = pool
         self._supervisors = supervisors
         self._uses = uses
         self._wanted = wanted
         self._clock = clock
+        self._moves: Counter[tuple[str, str, str]] = Counter()  # (backend, from, to)
+        self._spent: dict[tuple[str, str], list[float]] = {}  # (backend, state): [n, seconds]
+        self._checks: Counter[tuple[str, str]] = Counter()  # (backend, result)
+        self.sleeper = sleeper or Sleeper()
         self._seen: dict[str, int] = {}  # each backend's attempts at the last look
         self._active: dict[str, float] = {}  # when each was last seen in use (or started)
-        self._stopping: dict[str, asyncio.Task[bool]] = {}
-        self.starts = 0
-        self.stops = 0
+        self._busy: dict[str, asyncio.Task[Any]] = {}  # a stop, sleep, wake or check under way
+        self._answers: dict[str, tuple[int | None, str]] = {}  # (pid, answer at first ready)
+        self.starts = self.stops = self.sleeps = self.wakes = self.cold_restarts = 0
 
     def look(self) -> None:
-        """Start an instance for each model waited for; stop those idle too long."""
+        """Start or wake an instance for each model waited for; put to sleep or stop those
+        idle too long; record each sleeper's answer once it is first ready."""
+        for backend in self._pool.backends:
+            if backend.transitions is None:
+                backend.transitions = self._changed
         for model in sorted(self._wanted()):
             self._start_one(model)
         now, uses = self._clock(), self._uses()
         for backend in self._pool.backends:
             spawn = backend.spec.spawn
-            if spawn is None or spawn.stop_after is None:
+            if spawn is None or not spawn.on_demand:
                 continue
-            if backend.state is not BackendState.READY:  # its idle time starts when it is
+            if backend.state not in IDLE:  # its idle time starts again when it is back
                 self._active.pop(backend.name, None)
                 self._seen.pop(backend.name, None)
                 continue
+            self._remember(backend)
             used = uses.get(backend.name, backend.uses)
             if (backend.in_flight or used != self._seen.get(backend.name)
                     or backend.name not in self._active):
                 self._seen[backend.name], self._active[backend.name] = used, now
-            elif now - self._active[backend.name] >= spawn.stop_after:
-                self._stop(backend, now - self._active[backend.name])
+                continue
+            idle = now - self._active[backend.name]
+            if spawn.stop_after is not None and idle >= spawn.stop_after:
+                self._stop(backend, idle)
+            elif (spawn.sleep_after is not None and idle >= spawn.sleep_after
+                  and backend.state is BackendState.READY):
+                self._begin(backend, self._sleep(backend, spawn.sleep_level, idle), "sleep")
 
     def _start_one(self, model: str) -> None:
         candidates = self._pool.demanded(model)
         if any(b.state in UP for b in candidates):
             return
         for backend in candidates:
+            if backend.name in self._busy:
+                continue
             supervisor = self._supervisors.get(backend.name)
-            if (backend.name not in self._stopping and backend.state is BackendState.STOPPED
-                    and supervisor is not None):
+            if backend.state is BackendState.ASLEEP:
+                self._begin(backend, self._wake(backend, model), "wake")
+                return
+            if backend.state is BackendState.STOPPED and supervisor is not None:
                 log.info("backend %s: started for model %s, asked while it was stopped",
                          backend.name, model)
                 self._active.pop(backend.name, None)
                 if supervisor.start():
                     backend.start_over()
-                self.starts += 1
+                    self.starts += 1
                 return
+
+    def _begin(self, backend: Backend, job: Coroutine[Any, Any, object], what: str) -> None:
+        if backend.name in self._busy:
+            job.close()
+            return
+        task = asyncio.get_running_loop().create_task(job, name=f"{what} {backend.name}")
+        self._busy[backend.name] = task
+        task.add_done_callback(lambda _: self._busy.pop(backend.name, None))
 
     def _stop(self, backend: Backend, idle: float) -> None:
         supervisor = self._supervisors.get(backend.name)
-        if supervisor is None or backend.name in self._stopping:
+        if supervisor is None or backend.name in self._busy:
             return
         log.info("backend %s: no request for %.0f s; stopped until its model is asked for",
                  backend.name, idle)
         self.stops += 1
         self._active.pop(backend.name, None)
-        task = asyncio.get_running_loop().create_task(supervisor.drain_and_stop(),
-                                                      name=f"idle stop {backend.name}")
-        self._stopping[backend.name] = task
+        self._begin(backend, supervisor.drain_and_stop(), "idle stop")
 
-        task.add_done_callback(lambda _: self._stopping.pop(backend.name, None))
+    async def _sleep(self, backend: Backend, level: int, idle: float) -> None:
+        supervisor = self._supervisors.get(backend.name)
+        if supervisor is None or not await supervisor.drained():
+            backend.mark_ready()  # requests still running: not now
+            return
+        log.info("backend %s: no request for %.0f s; put to sleep (level %d)",
+                 backend.name, idle, level)
+        if await self.sleeper.sleep(backend, level):
+            self.sleeps += 1
+            backend.fall_asleep(level)
+        else:
+            log.warning("backend %s: vLLM did not go to sleep; it stays awake", backend.name)
+            backend.mark_ready()
+            self._active[backend.name] = self._clock()  # not tried again at once
+
+    async def _wake(self, backend: Backend, model: str) -> None:
+        level = backend.sleep_level or 1
+        log.info("backend %s: woken for model %s (asleep at level %d)", backend.name, model,
+                 level)
+        backend.wake()
+        if not await self.sleeper.wake(backend, level):
+            return await self._cold(backend, "failed", "the wake failed")
+        backend.verify()
+        answer, known = await self.sleeper.answer(backend), self._answers.get(backend.name)
+        if answer is None or (known is not None and known[0] == backend.pid
+                              and answer != known[1]):
+            return await self._cold(backend, "wrong_answer",
+                                    "its answer after the wake differs from its first one")
+        self.wakes += 1
+        self._count("ok", backend)
+        backend.mark_ready()
+
+    async def _cold(self, backend: Backend, result: str, why: str) -> None:
+        log.warning("backend %s: %s; restarted cold", backend.name, why)
+        self.cold_restarts += 1
+        self._count(result, backend)
+        self._answers.pop(backend.name, None)
+        supervisor = self._supervisors.get(backend.name)
+        if supervisor is not None:
+            await supervisor.restart()
+
+    def _count(self, result: str, backend: Backend) -> None:
+        self._checks[backend.name, result] += 1
+
+    def counts(self) -> LifecycleCounts:
+        """Every change of state, time spent per state, and wake check, for the metrics."""
+        return {"transitions": [[*k, n] for k, n in sorted(self._moves.items())],
+                "seconds": [[*k, *v] for k, v in sorted(self._spent.items())],
+                "checks": [[*k, n] for k, n in sorted(self._checks.items())]}
+
+    def _remember(self, backend: Backend) -> None:
+        """Its answer to the check, the first time it is ready in this process's life."""
+        spawn = backend.spec.spawn
+        if (spawn is None or spawn.sleep_after is None or backend.state is not BackendState.READY
+                or backend.name in self._busy):
+            return
+        known = self._answers.get(backend.name)
+        if known is None or known[0] != backend.pid:
+            self._begin(backend, self._record(backend), "check answer")
+
+    async def _record(self, backend: Backend) -> None:
+        pid, answer = backend.pid, await self.sleeper.answer(backend)
+        if answer is not None and backend.pid == pid:
+            self._answers[backend.name] = (pid, answer)
+
+    async def sleep(self, backend: Backend) -> bool:
+        """An operator's ``sleep NAME``: now, at its configured level (1 if none)."""
+        spawn = backend.spec.spawn
+        if backend.state is not BackendState.READY or backend.name in self._busy:
+            return False
+        level = spawn.sleep_level if spawn is not None else 1
+        await self._sleep(backend, level, self._clock() - self._active.get(backend.name,
+                                                                             self._clock()))
+        return backend.state in (BackendState.ASLEEP,)  # (mypy keeps the narrowing above)
+
+    async def wake(self, backend: Backend) -> bool:
+        """An operator's ``wake NAME``."""
+        if backend.state is not BackendState.ASLEEP or backend.name in self._busy:
+            return False
+        await self._wake(backend, "(an operator's wake)")
+        return backend.state in (BackendState.READY,)
+
+    def _changed(self, backend: Backend, old: BackendState, new: BackendState,
+                 seconds: float) -> None:
+        log.info("backend %s: %s -> %s (%.1f s %s)", backend.name, old.value, new.value,
+                 seconds, old.value)
+        self._moves[backend.name, old.value, new.value] += 1
+        spent = self._spent.setdefault((backend.name, old.value), [0, 0.0])
+        spent[0] += 1
+        spent[1] += seconds
 
     async def run(self, every: float = 0.2) -> None:
         while True:
-            self.look()
+            try:
+                self.look()
+            except Exception:  # one bad look must not end demand for good
+                log.exception("demand: a look failed")
             await asyncio.sleep(every)
+
+    async def aclose(self) -> None:
+        for task in list(self._busy.values()):
+            task.cancel()
+        await asyncio.gather(*self._busy.values(), return_exceptions=True)
+        await self.sleeper.aclose()

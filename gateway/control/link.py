@@ -28,6 +28,7 @@ from backends.backend import Backend
 from gateway.admin.backends import Admin
 from gateway.control.snapshot import Adopter
 from gateway.errors import GatewayError
+from gateway.metrics import LifecycleCounts
 from gateway.routing.pool import BackendPool
 
 log = logging.getLogger("gateway.control")
@@ -67,6 +68,7 @@ class ControlLink:
         self.adopt = Adopter(pool)
         # Summed over the workers by the control process, as of the last sync.
         self.replica: dict[str, Any] = {"in_flight": {}, "pins": {}}
+        self.lifecycle: LifecycleCounts = {}  # the control plane's (gateway.metrics)
         self._recent = recent  # this worker's recent degraded replies, newest first
         self._wanted = wanted  # models its requests wait for (their instances stopped)
         self._told = 0.0  # the newest of them the control process was told of
@@ -121,6 +123,7 @@ class ControlLink:
             self.config_version = int(config["version"])  # asked once, whatever comes of it
             self.on_config(str(config["text"]), self.config_version)
         self.replica = answer.get("replica", self.replica)
+        self.lifecycle = answer.get("lifecycle", self.lifecycle)
         if self._replaced is not None:
             for why, count in answer.get("replaced", {}).items():
                 self._replaced.labels(why).set(count)
@@ -184,4 +187,4 @@ class ForwardedAdmin(Admin):
     async def drain(self, request: Request) -> Response:
         return await self._link.forward(request)
 
-    restart = stop = start = rolling_restart = drain
+    restart = stop = start = rolling_restart = sleep = wake = drain

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from backends.backend import BackendState
 from backends.supervisor import Supervisor
 from gateway.control.snapshot import Snapshot
+from gateway.metrics import LifecycleCounts
 from gateway.routing.pool import BackendPool
 
 log = logging.getLogger("gateway.control")
@@ -54,6 +55,8 @@ class WorkerTable:
         self._born: dict[int, float] = {}
         self.pids: set[int] = set()
         self.replaced = {"hung": 0, "exited": 0}  # workers replaced, by why
+        # The control plane's counts of backends' changes of state (``Demand.counts``).
+        self.lifecycle: Callable[[], LifecycleCounts] = dict
         self._config: tuple[int, str] | None = None  # the last reload's: (version, text)
         self._kept: str | None = None  # where new workers read that text
         self._degraded: list[dict[str, Any]] = []  # every worker's recent ones, newest first
@@ -180,7 +183,8 @@ class WorkerTable:
             self._uses[pid] = {name: int(v[2]) for name, v in data["backends"].items()
                                if len(v) > 2}
             self._wanted[pid] = [str(m) for m in data.get("wanted", ())]
-        answer = {"snapshot": snapshot, "replica": self.replica(), "replaced": self.replaced}
+        answer = {"snapshot": snapshot, "replica": self.replica(), "replaced": self.replaced,
+                  "lifecycle": self.lifecycle()}
         if self._config is not None and int(data.get("config", 0)) < self._config[0]:
             answer["config"] = {"version": self._config[0], "text": self._config[1]}
         return Response(orjson.dumps(answer), media_type="application/json")

@@ -1,6 +1,7 @@
-"""Requests for a model whose instances are all stopped by demand (``start = "on_demand"``
-not yet started, or stopped after ``stop_after`` idle seconds) wait here while the control
-plane starts one (``gateway.control.demand``), instead of getting a 503 at once.
+"""Requests for a model whose instances are all stopped or asleep by demand (``start =
+"on_demand"`` not yet started, stopped after ``stop_after`` or asleep after ``sleep_after``
+idle seconds) wait here while the control plane starts or wakes one
+(``gateway.control.demand``), instead of getting a 503 at once.
 
 A waiting request marks its model wanted (the serving process tells the control plane at
 its next report, a few times a second); the control plane starts one instance per wanted
@@ -22,8 +23,10 @@ log = logging.getLogger("gateway.proxy")
 
 POLL = 0.05  # seconds between looks at the pool while a request waits
 WANTED_FOR = 2.0  # seconds a model stays wanted after a request last waited for it
-# Stopped (or never started), starting, or being stopped for idleness: it comes (back).
-ASLEEP = (BackendState.STOPPED, BackendState.STARTING, BackendState.DRAINING)
+# Stopped (or never started), starting, being stopped or put to sleep for idleness, asleep,
+# being woken or checked: it comes (back).
+ASLEEP = (BackendState.STOPPED, BackendState.STARTING, BackendState.DRAINING,
+          BackendState.ASLEEP, BackendState.WAKING, BackendState.VERIFYING)
 
 
 class Waking:
@@ -58,3 +61,5 @@ class Waking:
         while not self._pool.candidates(model) and time.monotonic() - began < within:
             self._wanted[model] = time.monotonic()
             await asyncio.sleep(POLL)
+        if self._pool.candidates(model):
+            self._wanted.pop(model, None)  # served: no longer wanted (nor woken again)

@@ -14,6 +14,12 @@ def _always(backend: Backend) -> bool:
     return True
 
 
+def _listed(b: Backend) -> bool:
+    """Its models are in ``/v1/models``: it serves them, or is started, woken or put to
+    sleep by demand (a request for them waits for it)."""
+    return b.routable or (b.on_demand and b.state is not BackendState.FAILED)
+
+
 class BackendPool:
     def __init__(self, backends: Sequence[Backend],
                  allows: Callable[[Backend], bool] = _always,
@@ -78,18 +84,18 @@ class BackendPool:
             self._configured(b, model) for b in self.backends)
 
     def models(self) -> list[str]:
-        """The union of models over routable backends, by the names clients use."""
+        """The models of the backends that serve them or wake for them, as clients name them."""
         return sorted({self.names.client(b.spec.group, m)
-                       for b in self.backends if b.routable for m in b.models})
+                       for b in self.backends if _listed(b) for m in b.models})
 
     def cards(self) -> dict[str, dict[str, Any]]:
         """``/v1/models``: each model by the name clients use, with the fields vLLM gave it
         (``max_model_len``, ``root``, ``parent``, ``owned_by``, ``permission``...) as its
-        first routable backend reports them; ``max_model_len`` is the smallest any of them
+        first such backend reports them; ``max_model_len`` is the smallest any of them
         takes, so a prompt that fits one fits them all."""
         merged: dict[str, dict[str, Any]] = {}
         for b in self.backends:
-            if not b.routable:
+            if not _listed(b):
                 continue
             for served in sorted(b.models):
                 name = self.names.client(b.spec.group, served)
@@ -104,8 +110,7 @@ class BackendPool:
     @property
     def ready(self) -> bool:
         """Some backend can serve now, or can be started for a request (on demand)."""
-        return any(b.routable or (b.on_demand and b.state is not BackendState.FAILED)
-                   for b in self.backends)
+        return any(_listed(b) for b in self.backends)
 
     def __repr__(self) -> str:
         routable = sum(b.routable for b in self.backends)

