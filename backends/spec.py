@@ -121,6 +121,21 @@ class SpawnSpec(BaseModel):
                 or self.sleep_after is not None)
 
     @property
+    def gpu_share(self) -> float:
+        """The share of each of its GPUs' memory vLLM takes (``--gpu-memory-utilization``,
+        0.9 unless its arguments say)."""
+        args = self.args
+        for i, arg in enumerate(args):
+            value = (args[i + 1] if arg == "--gpu-memory-utilization" and i + 1 < len(args)
+                     else arg.partition("=")[2]
+                     if arg.startswith("--gpu-memory-utilization=") else "")
+            try:
+                return float(value)
+            except ValueError:
+                continue
+        return 0.9
+
+    @property
     def name_served(self) -> str:
         return self.served_model_name or self.model
 

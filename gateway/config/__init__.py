@@ -28,7 +28,7 @@ from pydantic import (
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
-from gateway.config.checks import duplicate_keys, duplicate_names, duplicate_ports
+from gateway.config.checks import duplicate_keys, duplicate_names, duplicate_ports, gpu_budgets
 from gateway.config.source import Where, apply_env
 from gateway.config.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
 from gateway.config.values import (
@@ -355,6 +355,7 @@ def parse(raw: dict[str, Any]) -> Config:
     problems.extend(duplicate_names(raw, "keys"))
     if config is not None:
         problems.extend(duplicate_ports(config.backends))
+        problems.extend(gpu_budgets(config.backends))
         problems.extend(duplicate_keys(config.keys, config.gateway.api_keys))
         problems.extend(group_problems(config))
         problems.extend(setting_problems(config))

@@ -60,3 +60,27 @@ def duplicate_keys(keys: Sequence[KeySpec], flat: Sequence[SecretStr]) -> list[s
             problems.append(f"keys.{i}.key: the same key as {seen[secret]}")
         seen.setdefault(secret, f"keys.{i}")
     return problems
+
+
+def gpu_budgets(backends: Sequence[BackendSpec]) -> list[str]:
+    """An instance that could never be awake: the GPU memory its share needs is held by
+    instances that never sleep or stop (issue 39's budget)."""
+    fixed: dict[int, float] = {}  # each GPU's share held for good
+    for backend in backends:
+        spawn = backend.spawn
+        if spawn is not None and not spawn.on_demand:
+            for gpu in spawn.gpus:
+                fixed[gpu] = fixed.get(gpu, 0.0) + spawn.gpu_share
+    problems = []
+    for i, backend in enumerate(backends):
+        spawn = backend.spawn
+        if spawn is None or not spawn.on_demand:
+            continue
+        for gpu in spawn.gpus:
+            if fixed.get(gpu, 0.0) + spawn.gpu_share > 1.0:
+                problems.append(
+                    f"backends.{i}.spawn.gpus: GPU {gpu} can never hold it awake: it takes "
+                    f"{spawn.gpu_share:g} of its memory, and instances that never sleep or "
+                    f"stop hold {fixed[gpu]:g}")
+                break
+    return problems

@@ -27,6 +27,7 @@ from typing import Any
 
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
+from gateway.control.room import to_make_room
 from gateway.control.sleep import Sleeper
 from gateway.metrics import LifecycleCounts
 from gateway.routing.pool import BackendPool
@@ -36,6 +37,7 @@ log = logging.getLogger("gateway.demand")
 UP = (BackendState.READY, BackendState.STARTING, BackendState.UNHEALTHY,
       BackendState.WAKING, BackendState.VERIFYING)
 IDLE = (BackendState.READY, BackendState.ASLEEP)  # states whose idle time counts
+COMING = ("wake", "start")  # jobs that bring an instance up
 
 
 class Demand:
@@ -55,6 +57,7 @@ class Demand:
         self._seen: dict[str, int] = {}  # each backend's attempts at the last look
         self._active: dict[str, float] = {}  # when each was last seen in use (or started)
         self._busy: dict[str, asyncio.Task[Any]] = {}  # a stop, sleep, wake or check under way
+        self._doing: dict[str, str] = {}  # which
         self._answers: dict[str, tuple[int | None, str]] = {}  # (pid, answer at first ready)
         self.starts = self.stops = self.sleeps = self.wakes = self.cold_restarts = 0
 
@@ -90,7 +93,7 @@ class Demand:
 
     def _start_one(self, model: str) -> None:
         candidates = self._pool.demanded(model)
-        if any(b.state in UP for b in candidates):
+        if any(b.state in UP or self._doing.get(b.name) in COMING for b in candidates):
             return
         for backend in candidates:
             if backend.name in self._busy:
@@ -103,18 +106,61 @@ class Demand:
                 log.info("backend %s: started for model %s, asked while it was stopped",
                          backend.name, model)
                 self._active.pop(backend.name, None)
-                if supervisor.start():
+                if self._crowded(backend):
+                    self._begin(backend, self._start_in_room(backend, supervisor), "start")
+                elif supervisor.start():
                     backend.start_over()
                     self.starts += 1
                 return
+
+    def _crowded(self, backend: Backend) -> list[Backend]:
+        """Who must sleep or stop first for ``backend`` to fit on its GPUs (``room``)."""
+        return [b for b in to_make_room(self._pool.backends, backend,
+                                        lambda b: self._active.get(b.name, 0.0))
+                if b.name not in self._busy]
+
+    async def _make_room(self, backend: Backend) -> None:
+        for other in self._crowded(backend):
+            spawn, supervisor = other.spec.spawn, self._supervisors.get(other.name)
+            if spawn is None or supervisor is None:
+                continue
+            log.info("backend %s: makes room on its GPUs for %s", other.name, backend.name)
+            if spawn.sleep_after is not None:
+                await self._sleep(other, spawn.sleep_level, 0.0)
+            else:
+                self.stops += 1
+                await supervisor.drain_and_stop()
+
+    async def _start_in_room(self, backend: Backend, supervisor: Supervisor) -> None:
+        await self._make_room(backend)
+        if supervisor.start():
+            backend.start_over()
+            self.starts += 1
 
     def _begin(self, backend: Backend, job: Coroutine[Any, Any, object], what: str) -> None:
         if backend.name in self._busy:
             job.close()
             return
-        task = asyncio.get_running_loop().create_task(job, name=f"{what} {backend.name}")
-        self._busy[backend.name] = task
-        task.add_done_callback(lambda _: self._busy.pop(backend.name, None))
+        task = asyncio.get_running_loop().create_task(self._guarded(backend, job, what),
+                                                      name=f"{what} {backend.name}")
+        self._busy[backend.name], self._doing[backend.name] = task, what
+        task.add_done_callback(lambda _: self._done(backend.name))
+
+    async def _guarded(self, backend: Backend, job: Coroutine[Any, Any, object],
+                       what: str) -> None:
+        """A job that fails leaves no instance half woken or half asleep."""
+        try:
+            await job
+        except Exception:
+            log.exception("backend %s: the %s failed", backend.name, what)
+            if backend.state in (BackendState.WAKING, BackendState.VERIFYING):
+                await self._cold(backend, "failed", "its wake failed")
+            elif backend.state is BackendState.DRAINING and what == "sleep":
+                backend.mark_ready()
+
+    def _done(self, name: str) -> None:
+        self._busy.pop(name, None)
+        self._doing.pop(name, None)
 
     def _stop(self, backend: Backend, idle: float) -> None:
         supervisor = self._supervisors.get(backend.name)
@@ -131,7 +177,7 @@ class Demand:
         if supervisor is None or not await supervisor.drained():
             backend.mark_ready()  # requests still running: not now
             return
-        log.info("backend %s: no request for %.0f s; put to sleep (level %d)",
+        log.info("backend %s: idle for %.0f s; put to sleep (level %d)",
                  backend.name, idle, level)
         if await self.sleeper.sleep(backend, level):
             self.sleeps += 1
@@ -146,6 +192,7 @@ class Demand:
         log.info("backend %s: woken for model %s (asleep at level %d)", backend.name, model,
                  level)
         backend.wake()
+        await self._make_room(backend)
         if not await self.sleeper.wake(backend, level):
             return await self._cold(backend, "failed", "the wake failed")
         backend.verify()

@@ -237,3 +237,17 @@ def test_check_says_which_backends_the_kv_policy_sees_exactly(tmp_path: Path) ->
         f"{path}: OK (3 backends)", "  s: exact: its KV events",
         "  u: estimated: no KV events (kv_events), routed by what the gateway sent it",
         "  e: exact: its KV events"]
+
+
+def test_an_instance_that_could_never_be_awake_on_its_gpu_is_refused() -> None:
+    def spawn(name: str, port: int, share: str, **more: object) -> dict[str, object]:
+        return {"name": name, "spawn": {"model": "m", "port": port, "gpus": [0], "command": ["x"],
+                                        "args": ["--gpu-memory-utilization", share], **more}}
+
+    always = spawn("always", 8001, "0.6")
+    assert problems({"backends": [always, spawn("lazy", 8002, "0.5", start="on_demand")]}) == [
+        "backends.1.spawn.gpus: GPU 0 can never hold it awake: it takes 0.5 of its memory, "
+        "and instances that never sleep or stop hold 0.6"]
+    fits = [always, spawn("lazy", 8002, "0.4", start="on_demand"),
+            spawn("sleepy", 8003, "0.4", sleep_after=60)]  # they take turns
+    parse({"backends": fits})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from backends.backend import Backend, BackendState
+from backends.backend import Backend, BackendState, GpuReading, LoadReport
 from backends.health import ProbeResult
 from backends.supervisor import Supervisor, SupervisorSettings
 from gateway.control.demand import Demand
@@ -257,4 +257,48 @@ def test_a_wake_whose_answer_differs_restarts_the_instance_cold() -> None:
         await settled()
         assert supervisors["s"].restarted == 1 and sleepy.state is BackendState.STARTING
         assert d.counts()["checks"] == [["s", "wrong_answer", 1]] and d.cold_restarts == 1
+    asyncio.run(test())
+
+
+def test_a_wake_that_would_not_fit_puts_the_least_recently_used_instance_to_sleep_first(
+        ) -> None:
+    async def test() -> None:
+        def on_gpu(name: str, model: str) -> Backend:
+            b = spawned(name, model=model, sleep_after=100, gpus=[0],
+                        args=["--gpu-memory-utilization", "0.45"])
+            b.mark_ready()
+            return b
+
+        a, b, c = on_gpu("a", "ma"), on_gpu("b", "mb"), on_gpu("c", "mc")
+        sleeper = FakeSleeper("a", "b", "c", "c")
+        d, _, clock, asked = demand(a, b, c, sleeper=sleeper)
+        d.look()  # their first answers
+        await settled()
+        c.fall_asleep(1)  # c sleeps; a and b hold 72 of 80 GB
+        a.load = LoadReport(gpus=(GpuReading(0, 72 << 30, 80 << 30, 40),))
+        clock.now = 50
+        b.uses += 1  # b was used since: a is the least recently used
+        d.look()
+        asked.add("mc")
+        d.look()
+        await settled()
+        assert a.state is BackendState.ASLEEP and b.state is BackendState.READY
+        assert c.state is BackendState.READY
+        assert sleeper.calls == [("sleep", 1), ("wake", 1)]
+    asyncio.run(test())
+
+
+def test_a_wake_that_raises_restarts_the_instance_cold_instead_of_leaving_it_waking() -> None:
+    class Broken(FakeSleeper):
+        async def wake(self, backend: Backend, level: int) -> bool:
+            raise RuntimeError("vLLM's answer was not JSON")
+
+    async def test() -> None:
+        sleepy = spawned("s", sleep_after=10)
+        sleepy.fall_asleep(1)
+        d, supervisors, _, _ = demand(sleepy, sleeper=Broken(), wanted={"m"})
+        d.look()
+        await settled()
+        assert supervisors["s"].restarted == 1 and sleepy.state is BackendState.STARTING
+        assert d.counts()["checks"] == [["s", "failed", 1]]
     asyncio.run(test())
