@@ -66,6 +66,7 @@ class Life:
     load: LoadReport | None
     last_probe: str
     flaps: int
+    sleep_level: int | None = None  # while asleep
 
 
 class Backend:
@@ -192,7 +193,7 @@ class Backend:
 
     def life(self) -> Life:
         return Life(self._state, self.pid, self.started_at, self.restarts, self.models,
-                    self.cards, self.load, self.last_probe, self.flaps)
+                    self.cards, self.load, self.last_probe, self.flaps, self.sleep_level)
 
     def adopt(self, life: Life) -> None:
         """Its life as its owner sees it, whole (a serving worker's copy of a backend the
@@ -201,6 +202,7 @@ class Backend:
         self.pid, self.started_at, self.restarts = life.pid, life.started_at, life.restarts
         self.models, self.cards, self.load = life.models, life.cards, life.load
         self.last_probe, self.flaps = life.last_probe, life.flaps
+        self.sleep_level = life.sleep_level
 
     def learn(self, models: frozenset[str], cards: dict[str, dict[str, Any]] | None) -> None:
         """What it serves, and vLLM's card of each model (``max_model_len``, ``root``...)."""

@@ -116,7 +116,7 @@ class Admin:
             {
                 "name": b.name, "group": b.spec.group, "url": b.spec.shown_url,
                 "spawned": b.managed,
-                "state": b.state.value, "pid": b.pid,
+                "state": b.state.value, "sleep_level": b.sleep_level, "pid": b.pid,
                 "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
                 "restarts": b.restarts, "in_flight": self.in_flight(b),
                 "last_probe": b.last_probe,

@@ -24,7 +24,8 @@ def encode(backend: Backend, problem: str | None) -> dict[str, Any]:
     return {"state": life.state.value, "pid": life.pid, "started_at": life.started_at,
             "restarts": life.restarts, "models": sorted(life.models), "cards": life.cards,
             "load": asdict(life.load) if life.load is not None else None,
-            "last_probe": life.last_probe, "flaps": life.flaps, "problem": problem}
+            "last_probe": life.last_probe, "flaps": life.flaps, "problem": problem,
+            "sleep_level": life.sleep_level}
 
 
 def decode(data: Mapping[str, Any]) -> Life:
@@ -35,7 +36,8 @@ def decode(data: Mapping[str, Any]) -> Life:
         dict(data.get("cards") or {}),
         None if load is None else LoadReport(**{
             **load, "gpus": tuple(GpuReading(**g) for g in load.get("gpus", ()))}),
-        str(data.get("last_probe", "none yet")), int(data.get("flaps", 0)))
+        str(data.get("last_probe", "none yet")), int(data.get("flaps", 0)),
+        data.get("sleep_level"))
 
 
 class Snapshot:

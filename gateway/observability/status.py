@@ -117,7 +117,7 @@ class Status:
             load = b.load
             backends.append({
                 "name": b.name, "group": b.spec.group, "url": b.spec.shown_url,
-                "state": b.state.value,
+                "state": b.state.value, "sleep_level": b.sleep_level,
                 "spawned": b.managed, "pid": b.pid, "restarts": b.restarts,
                 "uptime_s": round(now - b.started_at, 1) if b.started_at is not None else None,
                 "in_flight": in_flight.get(b.name, b.in_flight), "queue": b.queue,

@@ -59,6 +59,8 @@ class Waking:
         began = time.monotonic()
         log.info("model %s: no instance up; waiting up to %g s for one to start", model, within)
         while not self._pool.candidates(model) and time.monotonic() - began < within:
+            if not self.dormant(model):
+                break  # nothing left that comes back (failed, or removed by a reload)
             self._wanted[model] = time.monotonic()
             await asyncio.sleep(POLL)
         if self._pool.candidates(model):

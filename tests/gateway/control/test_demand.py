@@ -191,6 +191,18 @@ def test_a_request_gives_up_after_the_wake_timeout() -> None:
     asyncio.run(test())
 
 
+def test_a_request_stops_waiting_when_its_instance_fails() -> None:
+    async def test() -> None:
+        lazy = spawned("lazy", start="on_demand", wake_timeout=30)
+        lazy.stop()
+        waking = Waking(BackendPool([lazy]))
+        waiting = asyncio.create_task(waking("m", 30))
+        await asyncio.sleep(0.1)
+        lazy.fail()  # its start crashed too often: it will not come
+        await asyncio.wait_for(waiting, 1)  # the 503 now, not after 30 s
+    asyncio.run(test())
+
+
 def test_an_instance_back_from_a_restart_starts_its_idle_time_again() -> None:
     async def test() -> None:
         crashy = spawned("crashy", stop_after=60)
