@@ -67,15 +67,18 @@ def test_an_idle_instance_sleeps_and_the_next_requests_wake_it_once(
         assert {r.http_response.status_code for r in replies} == {200}
         assert answer(gw) == first  # the same answers after the wake
         assert status(gw)["s"]["pid"] == pid  # woken, not restarted
+        # Counted by the control process, shown by any worker after its next sync.
+        wait_for(lambda: metric(gw, "gateway_backend_wake_checks_total", result="ok") == 1, 5,
+                 "one wake counted")
         assert metric(gw, "gateway_backend_transitions_total", **{"from": "asleep"}) == 1
-        assert metric(gw, "gateway_backend_wake_checks_total", result="ok") == 1
         wait_for(lambda: status(gw)["s"]["state"] == "asleep", 20, "asleep again")
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(  # a stream waits for the wake too
             model="sim-model", max_tokens=3, stream=True,
             messages=[{"role": "user", "content": "again"}])
         assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) == 3
-        assert metric(gw, "gateway_backend_wake_checks_total", result="ok") == 2
+        wait_for(lambda: metric(gw, "gateway_backend_wake_checks_total", result="ok") == 2, 5,
+                 "the second wake counted")
         assert metric(gw, "gateway_backend_transitions_total", to="asleep") == 2
     finally:
         gw.stop()
