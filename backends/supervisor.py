@@ -271,6 +271,8 @@ class Supervisor:
 
     def _policy_reason(self) -> str | None:
         b, spawn = self.backend, self._spawn
+        if b.state is not BackendState.READY:
+            return None  # not now: asleep (its weights in host memory), waking, draining...
         if spawn.max_uptime is not None and b.started_at is not None:
             if self._clock() - b.started_at > spawn.max_uptime:
                 return f"up longer than max_uptime {spawn.max_uptime:g} s"

@@ -257,8 +257,9 @@ class Lifecycle:
             spent.add_metric((backend, state), n, total)
         checks = CounterMetricFamily(
             "gateway_backend_wake_checks", "Wakes of a sleeping instance, by result: ok (its "
-            "answer the same as at its first ready), wrong_answer, failed (the wake itself); "
-            "all but ok restart it cold", labels=("backend", "result"))
+            "answer the same as before its first sleep), unchecked (no answer was recorded), "
+            "wrong_answer, failed (the wake itself, or vLLM not saying whether it sleeps): "
+            "the last two restart it cold", labels=("backend", "result"))
         for backend, result, n in counts.get("checks", ()):
             checks.add_metric((backend, result), n)
         yield from (moves, spent, checks)

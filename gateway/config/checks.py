@@ -65,16 +65,16 @@ def duplicate_keys(keys: Sequence[KeySpec], flat: Sequence[SecretStr]) -> list[s
 def gpu_budgets(backends: Sequence[BackendSpec]) -> list[str]:
     """An instance that could never be awake: the GPU memory its share needs is held by
     instances that never sleep or stop (issue 39's budget)."""
-    fixed: dict[int, float] = {}  # each GPU's share held for good
+    fixed: dict[int, float] = {}  # each GPU's share held for good, once started
     for backend in backends:
         spawn = backend.spawn
-        if spawn is not None and not spawn.on_demand:
+        if spawn is not None and spawn.sleep_after is None and spawn.stop_after is None:
             for gpu in spawn.gpus:
                 fixed[gpu] = fixed.get(gpu, 0.0) + spawn.gpu_share
     problems = []
     for i, backend in enumerate(backends):
         spawn = backend.spawn
-        if spawn is None or not spawn.on_demand:
+        if spawn is None or (spawn.sleep_after is None and spawn.stop_after is None):
             continue
         for gpu in spawn.gpus:
             if fixed.get(gpu, 0.0) + spawn.gpu_share > 1.0:

@@ -7,7 +7,8 @@ backend, a few times a second.
   model's first request.
 - ``sleep_after``: idle that long, it is drained and put to sleep (``gateway.control.sleep``);
   a request for its model wakes it, and its answer to a temperature-0 check must equal the
-  one it gave when it first became ready, or it is restarted cold.
+  one the same process gave before its first sleep (drained: no batch to change greedy
+  decoding), or it is restarted cold.
 - ``stop_after``: idle that long (asleep or not), it is drained and stopped.
 
 One start or wake per wanted model at a time: a model with an instance up, starting or
@@ -38,6 +39,7 @@ UP = (BackendState.READY, BackendState.STARTING, BackendState.UNHEALTHY,
       BackendState.WAKING, BackendState.VERIFYING)
 IDLE = (BackendState.READY, BackendState.ASLEEP)  # states whose idle time counts
 COMING = ("wake", "start")  # jobs that bring an instance up
+COMING_STATES = (BackendState.STARTING, BackendState.WAKING, BackendState.VERIFYING)
 
 
 class Demand:
@@ -58,12 +60,12 @@ class Demand:
         self._active: dict[str, float] = {}  # when each was last seen in use (or started)
         self._busy: dict[str, asyncio.Task[Any]] = {}  # a stop, sleep, wake or check under way
         self._doing: dict[str, str] = {}  # which
-        self._answers: dict[str, tuple[int | None, str]] = {}  # (pid, answer at first ready)
+        self._answers: dict[str, tuple[int | None, str]] = {}  # (pid, its answer)
         self.starts = self.stops = self.sleeps = self.wakes = self.cold_restarts = 0
 
     def look(self) -> None:
         """Start or wake an instance for each model waited for; put to sleep or stop those
-        idle too long; record each sleeper's answer once it is first ready."""
+        idle too long."""
         for backend in self._pool.backends:
             if backend.transitions is None:
                 backend.transitions = self._changed
@@ -78,7 +80,6 @@ class Demand:
                 self._active.pop(backend.name, None)
                 self._seen.pop(backend.name, None)
                 continue
-            self._remember(backend)
             used = uses.get(backend.name, backend.uses)
             if (backend.in_flight or used != self._seen.get(backend.name)
                     or backend.name not in self._active):
@@ -96,7 +97,7 @@ class Demand:
         if any(b.state in UP or self._doing.get(b.name) in COMING for b in candidates):
             return
         for backend in candidates:
-            if backend.name in self._busy:
+            if backend.name in self._busy or self._neighbour_coming(backend):
                 continue
             supervisor = self._supervisors.get(backend.name)
             if backend.state is BackendState.ASLEEP:
@@ -113,23 +114,39 @@ class Demand:
                     self.starts += 1
                 return
 
+    def _neighbour_coming(self, backend: Backend) -> bool:
+        """Another instance on one of its GPUs is starting or waking: one at a time, so
+        that each sees the memory the other took (vLLM's start-up check needs it too)."""
+        gpus = set(backend.spec.spawn.gpus if backend.spec.spawn is not None else ())
+        return bool(gpus) and any(
+            b is not backend and b.spec.spawn is not None and gpus & set(b.spec.spawn.gpus)
+            and (b.state in COMING_STATES or self._doing.get(b.name) in COMING)
+            for b in self._pool.backends)
+
     def _crowded(self, backend: Backend) -> list[Backend]:
-        """Who must sleep or stop first for ``backend`` to fit on its GPUs (``room``)."""
+        """Who must sleep or stop first for ``backend`` to fit on its GPUs (``room``):
+        never one busy with a job, nor one whose model requests wait for."""
+        wanted = self._wanted()
         return [b for b in to_make_room(self._pool.backends, backend,
                                         lambda b: self._active.get(b.name, 0.0))
-                if b.name not in self._busy]
+                if b.name not in self._busy
+                and not any(self._pool.names.client(b.spec.group, m) in wanted
+                            for m in b.models)]
 
     async def _make_room(self, backend: Backend) -> None:
+        jobs = []
         for other in self._crowded(backend):
             spawn, supervisor = other.spec.spawn, self._supervisors.get(other.name)
             if spawn is None or supervisor is None:
                 continue
             log.info("backend %s: makes room on its GPUs for %s", other.name, backend.name)
             if spawn.sleep_after is not None:
-                await self._sleep(other, spawn.sleep_level, 0.0)
+                jobs.append(self._begin(other, self._sleep(other, spawn.sleep_level, 0.0),
+                                        "sleep"))
             else:
                 self.stops += 1
-                await supervisor.drain_and_stop()
+                jobs.append(self._begin(other, supervisor.drain_and_stop(), "idle stop"))
+        await asyncio.gather(*(job for job in jobs if job is not None))
 
     async def _start_in_room(self, backend: Backend, supervisor: Supervisor) -> None:
         await self._make_room(backend)
@@ -137,14 +154,17 @@ class Demand:
             backend.start_over()
             self.starts += 1
 
-    def _begin(self, backend: Backend, job: Coroutine[Any, Any, object], what: str) -> None:
+    def _begin(self, backend: Backend, job: Coroutine[Any, Any, object],
+               what: str) -> asyncio.Task[None] | None:
+        """Run ``job`` for ``backend`` unless one runs for it already (then None)."""
         if backend.name in self._busy:
             job.close()
-            return
+            return None
         task = asyncio.get_running_loop().create_task(self._guarded(backend, job, what),
                                                       name=f"{what} {backend.name}")
         self._busy[backend.name], self._doing[backend.name] = task, what
         task.add_done_callback(lambda _: self._done(backend.name))
+        return task
 
     async def _guarded(self, backend: Backend, job: Coroutine[Any, Any, object],
                        what: str) -> None:
@@ -175,17 +195,39 @@ class Demand:
     async def _sleep(self, backend: Backend, level: int, idle: float) -> None:
         supervisor = self._supervisors.get(backend.name)
         if supervisor is None or not await supervisor.drained():
-            backend.mark_ready()  # requests still running: not now
+            if backend.state is BackendState.DRAINING:
+                backend.mark_ready()  # requests still running: not now
             return
+        if backend.state is not BackendState.DRAINING:
+            return  # stopped or restarted meanwhile (an operator): theirs to say
+        await self._remember(backend)
         log.info("backend %s: idle for %.0f s; put to sleep (level %d)",
                  backend.name, idle, level)
-        if await self.sleeper.sleep(backend, level):
+        slept = await self.sleeper.sleep(backend, level)
+        if backend.state is not BackendState.DRAINING:
+            return
+        if slept or await self.sleeper.sleeping(backend):
             self.sleeps += 1
             backend.fall_asleep(level)
-        else:
+        elif await self.sleeper.sleeping(backend) is False:
             log.warning("backend %s: vLLM did not go to sleep; it stays awake", backend.name)
             backend.mark_ready()
             self._active[backend.name] = self._clock()  # not tried again at once
+        else:  # asleep or not, vLLM does not say: start it again, cold
+            await self._cold(backend, "failed", "vLLM does not say whether it sleeps")
+
+    async def _remember(self, backend: Backend) -> None:
+        """Its answer to the check, once per process: drained, so no batch changes what
+        greedy decoding gives, and before its first sleep."""
+        known = self._answers.get(backend.name)
+        if known is not None and known[0] == backend.pid:
+            return
+        pid, answer = backend.pid, await self.sleeper.answer(backend)
+        if answer is None:
+            log.warning("backend %s: no answer to the check before its sleep; its wakes "
+                        "go unchecked", backend.name)
+        elif backend.pid == pid:
+            self._answers[backend.name] = (pid, answer)
 
     async def _wake(self, backend: Backend, model: str) -> None:
         level = backend.sleep_level or 1
@@ -193,16 +235,22 @@ class Demand:
                  level)
         backend.wake()
         await self._make_room(backend)
-        if not await self.sleeper.wake(backend, level):
+        woke = backend.state is BackendState.WAKING and await self.sleeper.wake(backend, level)
+        if backend.state is not BackendState.WAKING:
+            return  # stopped or restarted meanwhile (an operator)
+        if not woke:
             return await self._cold(backend, "failed", "the wake failed")
         backend.verify()
-        answer, known = await self.sleeper.answer(backend), self._answers.get(backend.name)
-        if answer is None or (known is not None and known[0] == backend.pid
-                              and answer != known[1]):
-            return await self._cold(backend, "wrong_answer",
-                                    "its answer after the wake differs from its first one")
+        known = self._answers.get(backend.name)
+        if known is not None and known[0] == backend.pid:
+            answer = await self.sleeper.answer(backend)
+            if backend.state not in (BackendState.VERIFYING,):  # (mypy narrows too far)
+                return
+            if answer != known[1]:
+                return await self._cold(backend, "wrong_answer", "its answer after the "
+                                        "wake differs from the one before its first sleep")
         self.wakes += 1
-        self._count("ok", backend)
+        self._count("ok" if known is not None else "unchecked", backend)
         backend.mark_ready()
 
     async def _cold(self, backend: Backend, result: str, why: str) -> None:
@@ -223,37 +271,31 @@ class Demand:
                 "seconds": [[*k, *v] for k, v in sorted(self._spent.items())],
                 "checks": [[*k, n] for k, n in sorted(self._checks.items())]}
 
-    def _remember(self, backend: Backend) -> None:
-        """Its answer to the check, the first time it is ready in this process's life."""
-        spawn = backend.spec.spawn
-        if (spawn is None or spawn.sleep_after is None or backend.state is not BackendState.READY
-                or backend.name in self._busy):
-            return
-        known = self._answers.get(backend.name)
-        if known is None or known[0] != backend.pid:
-            self._begin(backend, self._record(backend), "check answer")
-
-    async def _record(self, backend: Backend) -> None:
-        pid, answer = backend.pid, await self.sleeper.answer(backend)
-        if answer is not None and backend.pid == pid:
-            self._answers[backend.name] = (pid, answer)
-
     async def sleep(self, backend: Backend) -> bool:
         """An operator's ``sleep NAME``: now, at its configured level (1 if none)."""
         spawn = backend.spec.spawn
-        if backend.state is not BackendState.READY or backend.name in self._busy:
+        if backend.state is not BackendState.READY:
             return False
         level = spawn.sleep_level if spawn is not None else 1
-        await self._sleep(backend, level, self._clock() - self._active.get(backend.name,
-                                                                             self._clock()))
-        return backend.state in (BackendState.ASLEEP,)  # (mypy keeps the narrowing above)
+        return await self._by_hand(backend, self._sleep(backend, level, 0.0), "sleep",
+                                   BackendState.ASLEEP)
 
     async def wake(self, backend: Backend) -> bool:
         """An operator's ``wake NAME``."""
-        if backend.state is not BackendState.ASLEEP or backend.name in self._busy:
+        if backend.state is not BackendState.ASLEEP:
             return False
-        await self._wake(backend, "(an operator's wake)")
-        return backend.state in (BackendState.READY,)
+        return await self._by_hand(backend, self._wake(backend, "(an operator's wake)"),
+                                   "wake", BackendState.READY)
+
+    async def _by_hand(self, backend: Backend, job: Coroutine[Any, Any, object], what: str,
+                       then: BackendState) -> bool:
+        """Run an operator's job as any other (one per backend, guarded), to its end even
+        if the operator's request goes away."""
+        task = self._begin(backend, job, what)
+        if task is None:
+            return False
+        await asyncio.shield(task)
+        return backend.state is then
 
     def _changed(self, backend: Backend, old: BackendState, new: BackendState,
                  seconds: float) -> None:

@@ -13,11 +13,12 @@ for a client (``gateway.http.routes`` knows only the OpenAI routes).
   garbage: vllm#29341).
 - ``GET /is_sleeping`` confirms each end.
 - The check: one short completion at temperature 0, compared with the one the same
-  process gave when it first became ready (``answer``).
+  process gave before its first sleep (``answer``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -32,8 +33,12 @@ CHECK_TOKENS = 8
 
 
 class Sleeper:
-    def __init__(self, timeout: float = 60.0) -> None:
+    """``steps``: seconds a sleep, a wake or a weight reload may take (offloading or loading
+    a large model's weights takes a while); ``timeout``: any other call."""
+
+    def __init__(self, timeout: float = 30.0, steps: float = 600.0) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._steps = aiohttp.ClientTimeout(total=steps)
         self._session: aiohttp.ClientSession | None = None  # opened in the loop, on first use
 
     def _client(self) -> aiohttp.ClientSession:
@@ -42,28 +47,33 @@ class Sleeper:
         return self._session
 
     async def _call(self, backend: Backend, method: str, path: str,
-                    body: dict[str, Any] | None = None) -> Any:
-        """vLLM's JSON answer, or None (a refusal, a timeout, a closed port): logged."""
+                    body: dict[str, Any] | None = None, step: bool = False) -> Any:
+        """vLLM's JSON answer (``{}`` for an empty 200: older vLLM answers its sleep routes
+        so), or None (a refusal, a timeout, a closed port): logged."""
         try:
-            async with self._client().request(method, backend.url + path, json=body) as resp:
+            async with self._client().request(
+                    method, backend.url + path, json=body,
+                    timeout=self._steps if step else self._timeout) as resp:
                 if resp.status == 200:
-                    return await resp.json(content_type=None)
+                    text = await resp.read()
+                    return json.loads(text) if text.strip() else {}
                 log.warning("backend %s: %s %s answered %d", backend.name, method,
                             path.partition("?")[0], resp.status)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # JSONDecodeError too
             log.warning("backend %s: %s %s failed: %r", backend.name, method,
                         path.partition("?")[0], exc)
         return None
 
-    async def _sleeping(self, backend: Backend) -> bool | None:
+    async def sleeping(self, backend: Backend) -> bool | None:
+        """Whether vLLM says it sleeps; None when it does not say."""
         answer = await self._call(backend, "GET", "/is_sleeping")
         return answer.get("is_sleeping") if isinstance(answer, dict) else None
 
     async def sleep(self, backend: Backend, level: int) -> bool:
         """Put it to sleep; True once vLLM says it sleeps."""
-        if await self._call(backend, "POST", f"/sleep?level={level}") is None:
+        if await self._call(backend, "POST", f"/sleep?level={level}", step=True) is None:
             return False
-        return await self._sleeping(backend) is True
+        return await self.sleeping(backend) is True
 
     async def wake(self, backend: Backend, level: int) -> bool:
         """Wake it by the sequence its level needs; True once vLLM says it is awake."""
@@ -73,14 +83,15 @@ class Sleeper:
                      ("/collective_rpc", {"method": "reload_weights"}),
                      ("/wake_up?tags=kv_cache", None)]
         for path, body in steps:
-            if await self._call(backend, "POST", path, body) is None:
+            if await self._call(backend, "POST", path, body, step=True) is None:
                 return False
-        return await self._sleeping(backend) is False
+        return await self.sleeping(backend) is False
 
     async def answer(self, backend: Backend) -> str | None:
         """Its answer to the check: a short completion at temperature 0."""
         spawn = backend.spec.spawn
-        model = spawn.name_served if spawn is not None else next(iter(backend.models), "")
+        model = min(backend.models) if backend.models else (
+            spawn.name_served if spawn is not None else "")
         reply = await self._call(backend, "POST", "/v1/completions", {
             "model": model, "prompt": PROMPT, "max_tokens": CHECK_TOKENS, "temperature": 0,
             "ignore_eos": True})

@@ -20,6 +20,14 @@ def _listed(b: Backend) -> bool:
     return b.routable or (b.on_demand and b.state is not BackendState.FAILED)
 
 
+def _serving(b: Backend) -> frozenset[str]:
+    """What it serves: as it said, or (an on-demand instance not run yet) as configured."""
+    spawn = b.spec.spawn
+    if b.models or spawn is None or not b.on_demand:
+        return b.models
+    return frozenset({spawn.name_served})
+
+
 class BackendPool:
     def __init__(self, backends: Sequence[Backend],
                  allows: Callable[[Backend], bool] = _always,
@@ -86,7 +94,7 @@ class BackendPool:
     def models(self) -> list[str]:
         """The models of the backends that serve them or wake for them, as clients name them."""
         return sorted({self.names.client(b.spec.group, m)
-                       for b in self.backends if _listed(b) for m in b.models})
+                       for b in self.backends if _listed(b) for m in _serving(b)})
 
     def cards(self) -> dict[str, dict[str, Any]]:
         """``/v1/models``: each model by the name clients use, with the fields vLLM gave it
@@ -97,7 +105,7 @@ class BackendPool:
         for b in self.backends:
             if not _listed(b):
                 continue
-            for served in sorted(b.models):
+            for served in sorted(_serving(b)):
                 name = self.names.client(b.spec.group, served)
                 card = b.cards.get(served) or {"object": "model", "created": 0,
                                                "owned_by": "vllm", "root": served}

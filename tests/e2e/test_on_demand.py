@@ -27,6 +27,8 @@ def test_an_on_demand_instance_starts_for_its_first_requests_and_stops_when_idle
         wait_for(lambda: http_ok(gw.url + "/admin/status"), 20, "gateway up")
         assert status(gw)["lazy"]["state"] == "stopped"  # not started at boot
         assert status(gw)["lazy"]["pid"] is None
+        listed = httpx.get(gw.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["sim-model"]  # listed before it ever ran
         assert httpx.get(gw.url + "/health").status_code == 200  # it can serve: by starting
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # the first ones, at once
             answers = list(pool.map(lambda _: chat(gw), range(4)))

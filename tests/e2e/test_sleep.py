@@ -2,7 +2,7 @@
 routes as the spawned command, real processes: idle for ``sleep_after``, an instance is
 put to sleep (its model still listed, probes do not wake it); the next requests (several at
 once, a stream among them) wake it once and wait for it; each wake is checked against the
-answer the instance gave at its first ready, and an instance whose answers changed (the
+answer the instance gave before its first sleep, and an instance whose answers changed (the
 simulator's ``--wake-garbles``) is restarted cold; level 2 reloads the weights before the
 cache wakes; the admin verbs sleep and wake work."""
 

@@ -245,9 +245,10 @@ def test_an_instance_that_could_never_be_awake_on_its_gpu_is_refused() -> None:
                                         "args": ["--gpu-memory-utilization", share], **more}}
 
     always = spawn("always", 8001, "0.6")
-    assert problems({"backends": [always, spawn("lazy", 8002, "0.5", start="on_demand")]}) == [
+    lazy = spawn("lazy", 8002, "0.5", start="on_demand", stop_after=60)
+    assert problems({"backends": [always, lazy]}) == [
         "backends.1.spawn.gpus: GPU 0 can never hold it awake: it takes 0.5 of its memory, "
         "and instances that never sleep or stop hold 0.6"]
-    fits = [always, spawn("lazy", 8002, "0.4", start="on_demand"),
+    fits = [always, spawn("lazy", 8002, "0.4", start="on_demand", stop_after=60),
             spawn("sleepy", 8003, "0.4", sleep_after=60)]  # they take turns
     parse({"backends": fits})

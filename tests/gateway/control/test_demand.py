@@ -191,6 +191,18 @@ def test_a_request_gives_up_after_the_wake_timeout() -> None:
     asyncio.run(test())
 
 
+def test_a_stopped_or_sleeping_model_is_still_listed_a_failed_one_is_not() -> None:
+    never_run, asleep = spawned("lazy", start="on_demand"), spawned("s", model="n",
+                                                                    sleep_after=60)
+    never_run.stop()  # never ran: listed by the name it is configured to serve
+    asleep.models = frozenset({"n"})
+    asleep.fall_asleep(1)
+    pool = BackendPool([never_run, asleep])
+    assert pool.models() == ["m", "n"] and list(pool.cards()) == ["m", "n"]
+    never_run.fail()
+    assert pool.models() == ["n"]
+
+
 def test_a_request_stops_waiting_when_its_instance_fails() -> None:
     async def test() -> None:
         lazy = spawned("lazy", start="on_demand", wake_timeout=30)
@@ -313,4 +325,49 @@ def test_a_wake_that_raises_restarts_the_instance_cold_instead_of_leaving_it_wak
         await settled()
         assert supervisors["s"].restarted == 1 and sleepy.state is BackendState.STARTING
         assert d.counts()["checks"] == [["s", "failed", 1]]
+    asyncio.run(test())
+
+
+def test_a_sleep_whose_answer_is_lost_is_settled_by_asking_vllm() -> None:
+    class Unclear(FakeSleeper):
+        def __init__(self, asleep: bool | None) -> None:
+            super().__init__("first")
+            self.asleep = asleep
+
+        async def sleep(self, backend: Backend, level: int) -> bool:
+            return False  # a timeout, say: vLLM may sleep or not
+
+        async def sleeping(self, backend: Backend) -> bool | None:
+            return self.asleep
+
+    async def test(asleep: bool | None, then: BackendState, restarts: int) -> None:
+        sleepy = spawned("s", sleep_after=10)
+        sleepy.mark_ready()
+        d, supervisors, clock, _ = demand(sleepy, sleeper=Unclear(asleep))
+        d.look()
+        clock.now = 11
+        d.look()
+        await settled()
+        assert sleepy.state is then
+        assert getattr(supervisors["s"], "restarted", 0) == restarts
+
+    asyncio.run(test(True, BackendState.ASLEEP, 0))  # it sleeps after all
+    asyncio.run(test(False, BackendState.READY, 0))  # it stayed awake: back in rotation
+    asyncio.run(test(None, BackendState.STARTING, 1))  # nobody knows: restarted cold
+
+
+def test_one_instance_at_a_time_starts_or_wakes_on_a_gpu() -> None:
+    async def test() -> None:
+        a = spawned("a", model="ma", sleep_after=10, gpus=[0])
+        b = spawned("b", model="mb", start="on_demand", gpus=[0])
+        a.fall_asleep(1)
+        b.stop()
+        d, supervisors, _, _ = demand(a, b, sleeper=FakeSleeper(), wanted={"ma", "mb"})
+        d.look()
+        assert supervisors["b"].started == 0  # a is being woken
+        await settled()
+        assert a.state is BackendState.READY  # its wake unchecked: no answer was recorded
+        d.look()
+        assert supervisors["b"].started == 1  # then b, once a is up
+        assert d.counts()["checks"] == [["a", "unchecked", 1]]
     asyncio.run(test())
