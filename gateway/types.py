@@ -42,15 +42,19 @@ class Request:
 class Cached(dict[str, int]):
     """Prompt tokens each candidate holds in its KV cache, as predicted (absent: none),
     with what the ``kv`` policy weighs beside: the prompt's length, each candidate's
-    expected prefill wait (``gateway.kv.prefill``) and how each is known (its standing);
-    the policy writes the rule that decided, for the access log and the debug header."""
+    expected prefill wait (``gateway.kv.prefill``) and the request's own share of it
+    (``own``: its uncached tokens alone), how each is known (its standing) and
+    the key of the prompt's head that places it where nothing holds it (``home``); the
+    policy writes the rule that decided, for the access log and the debug header."""
 
-    __slots__ = ("rule", "standing", "tokens", "waits")
+    __slots__ = ("home", "own", "rule", "standing", "tokens", "waits")
 
-    def __init__(self, tokens: int = 0) -> None:
+    def __init__(self, tokens: int = 0, home: bytes | None = None) -> None:
         super().__init__()
         self.tokens = tokens
+        self.home = home
         self.waits: dict[str, float] = {}
+        self.own: dict[str, float] = {}
         self.standing: dict[str, str] = {}
         self.rule = ""
 

@@ -45,6 +45,19 @@ def _chain(parent: Key, ids: bytes | memoryview, extra: object) -> Key:
     return h.digest()
 
 
+def home(blocks: Sequence[Key]) -> Key | None:
+    """The key that places a prompt no backend holds: its block at the end of its first
+    half (rounded up: 3 of 5 blocks), the half's length rounded down to three significant
+    bits (20 of 21, 64 of 67), so prompts that share their first half (a document, a long
+    system prompt) get one home whatever follows it, while prompts that share only a
+    shorter preamble spread (None: a prompt under two blocks)."""
+    if len(blocks) < 2:
+        return None
+    half = (len(blocks) + 1) // 2
+    step = 1 << max(0, half.bit_length() - 3)
+    return blocks[half - half % step - 1]
+
+
 def keys(tokens: Sequence[int], size: int, lora: str | None = None,
          extras: Sequence[object] | None = None) -> list[Key]:
     """The keys of ``tokens``' full blocks of ``size`` (a partial last block is never

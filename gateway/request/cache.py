@@ -21,7 +21,7 @@ import orjson
 from backends.backend import Backend
 from gateway.http.headers import upstream_request_headers
 from gateway.kv.feed import EXACT, INEXACT, Feeds
-from gateway.kv.index import Key, keys
+from gateway.kv.index import Key, home, keys
 from gateway.request.turns import Turns, conversation
 from gateway.routing.pool import BackendPool
 from gateway.types import Cached, Request
@@ -159,13 +159,14 @@ class CacheLookup:
         for name in names:
             cached.standing[name] = feeds.standing(name)
             prediction.sizes[name] = index.size(name) or estimate.size(name)
-        for size in set(prediction.sizes.values()):
+        for size in sorted(set(prediction.sizes.values())):  # home: from the smallest
             # vLLM computes a prompt's last token whatever it holds (a hit is at most
             # len - 1 tokens): a prompt of whole blocks finds one block less.
             count = (len(tokens) - (not prediction.partial)) // size
             extras = ([tuple(x for x in (lora, salt if i == 0 else None) if x) or None
                        for i in range(count)] if lora or salt else None)
             blocks = prediction.blocks[size] = keys(tokens[:count * size], size, lora, extras)
+            cached.home = cached.home or home(blocks)
             these = [n for n in names if prediction.sizes[n] == size]
             held = index.match(blocks)
             guessed = estimate.match(blocks, these)  # for all: its cap is tuned meanwhile
@@ -179,7 +180,9 @@ class CacheLookup:
                 if n:
                     cached[name] = n * size
         for name in names:
-            cached.waits[name] = feeds.prefill.wait(name, cached.tokens - cached.get(name, 0))
+            uncached = cached.tokens - cached.get(name, 0)
+            cached.waits[name] = feeds.prefill.wait(name, uncached)
+            cached.own[name] = uncached / feeds.prefill.rate(name)
         return prediction
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:

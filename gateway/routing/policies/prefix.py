@@ -32,17 +32,22 @@ def prompt_head(payload: dict[str, object], chars: int) -> bytes:
     return str(prompt or "")[:chars].encode()
 
 
+def bounded(key: bytes, candidates: Sequence[Backend], factor: float) -> Backend:
+    """``key``'s first backend in rendezvous order that takes no more than ``factor`` x the
+    average in flight (counting this request): consistent hashing with bounded load."""
+    total = sum(b.in_flight for b in candidates) + 1
+    cap = math.ceil(total * factor / len(candidates))
+    order = ranked(key, candidates)
+    return next((b for b in order if b.in_flight < cap), order[0])
+
+
 class PrefixAware:
     def __init__(self, chars: int, load_factor: float) -> None:
         self._chars = chars
         self._factor = load_factor
 
     def choose(self, candidates: Sequence[Backend], request: Request) -> Backend:
-        # Bounded load: no backend takes more than factor x the average (counting this one).
-        total = sum(b.in_flight for b in candidates) + 1
-        cap = math.ceil(total * self._factor / len(candidates))
-        order = ranked(prompt_head(request.payload, self._chars), candidates)
-        return next((b for b in order if b.in_flight < cap), order[0])
+        return bounded(prompt_head(request.payload, self._chars), candidates, self._factor)
 
     def ties(self, candidates: Sequence[Backend], request: Request) -> Sequence[Backend]:
         return [self.choose(candidates, request)]

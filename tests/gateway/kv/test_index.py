@@ -175,3 +175,23 @@ def test_what_vllm_did_not_find_is_not_there_until_it_is_stored_again() -> None:
     assert index.match(prompt) == {"a": 1}
     index.apply("a", decode(encode([stored([5, 6], tokens[4:], parent=1)])))  # stored again
     assert index.match(prompt) == {"a": 3}
+
+
+def test_a_prompts_home_is_the_key_at_the_end_of_its_first_half_rounded_down() -> None:
+    """Prompts that share their first half share a home whatever follows; prompts that share
+    only a preamble do not; a prompt under two blocks has none."""
+    from gateway.kv.index import home
+
+    document = list(range(1_000, 1_000 + 16 * 40))  # 40 blocks of 16
+    ask = [keys(document + list(range(k, k + 16 * extra)), 16)
+           for k, extra in ((1, 1), (50_000, 3), (90_000, 0))]
+    assert len({home(blocks) for blocks in ask}) == 1  # halves 20, 21, 20: all at block 20
+    assert home(ask[0]) == ask[0][19]
+    header = list(range(16 * 2))  # 2 shared blocks of 5: the third block is the file's own
+    assert len({home(keys(header + list(range(k, k + 16 * 3)), 16))
+                for k in (10_000, 20_000)}) == 2
+    preamble = list(range(16 * 3))  # 3 shared blocks, then different documents
+    spread = {home(keys(preamble + list(range(k, k + 16 * 20)), 16))
+              for k in (10_000, 20_000, 30_000)}
+    assert len(spread) == 3
+    assert home(keys(list(range(20)), 16)) is None

@@ -64,32 +64,36 @@ def test_kv_takes_the_longest_cached_prefix_until_its_backend_is_full() -> None:
     cached.update({"b1": 256, "b2": 512})
     asked = dataclasses.replace(request(), cached=cached)
     backends[2].in_flight = 3  # more than the others: nothing to a batch of hundreds
+    backends[2].load = LoadReport(running=256, waiting=8)  # a short queue drains in a step
     assert policy.choose(backends, asked) is backends[2]
     assert cached.rule == "cached"
     backends[2].capacity = 3  # at the capacity the gateway holds it to
     assert policy.choose(backends, asked) is backends[1]  # the next longest prefix
     assert cached.rule == "saturated"
-    backends[1].load = LoadReport(running=256, waiting=3)  # vLLM queues what it can't batch
+    backends[1].load = LoadReport(running=256, waiting=40)  # 32 more waiting than the least
     assert policy.choose(backends, asked) is backends[0]  # the warm ones are full: least
     unknown = dataclasses.replace(request(), cached=None)
     assert policy.choose(backends, unknown) is backends[0]
     cold = Cached(600)
     assert policy.choose(backends, dataclasses.replace(request(), cached=cold)) is backends[0]
-    assert cold.rule == "least_loaded"
+    assert cold.rule == "least_loaded"  # no home: a prompt under two blocks
 
 
-def test_kv_affinity_yields_when_the_warm_backends_prefill_wait_is_longer() -> None:
+def test_kv_affinity_yields_only_when_the_move_pays_for_its_copy() -> None:
+    """The warm instance keeps the prompt until its wait passes 1.1 x the other's wait plus
+    the prompt's own prefill there once more (the copy evicts another prompt)."""
     backends = pool(2)
     policy = KvAware()
     cached = Cached(2_000)
     cached.update({"b0": 1_800})
     # b0 has 200 tokens of the prompt to prefill, b1 all 2,000; at 10,000 tokens/s each:
-    cached.waits.update({"b0": (1_000 + 200) / 10_000, "b1": 2_000 / 10_000})
+    cached.waits.update({"b0": (3_000 + 200) / 10_000, "b1": 2_000 / 10_000})
+    cached.own.update({"b0": 200 / 10_000, "b1": 2_000 / 10_000})
     asked = dataclasses.replace(request(), cached=cached)
-    assert policy.choose(backends, asked) is backends[0]  # 0.12 s against 0.2 s
+    assert policy.choose(backends, asked) is backends[0]  # 0.32 s against 1.1 x 0.4 s
     assert cached.rule == "cached"
-    cached.waits["b0"] = (3_000 + 200) / 10_000  # 3,000 tokens ahead of it there now
-    assert policy.choose(backends, asked) is backends[1]  # 0.32 s against 0.2 s
+    cached.waits["b0"] = (4_500 + 200) / 10_000
+    assert policy.choose(backends, asked) is backends[1]  # 0.47 s against 0.44 s
     assert cached.rule == "prefill"
 
 
@@ -107,15 +111,26 @@ def test_kv_rotates_among_candidates_that_hold_the_same_prefix() -> None:
     assert sorted(names) == ["b0", "b0", "b1", "b1"]
 
 
-def test_kv_spreads_prompts_of_which_only_a_short_preamble_is_cached() -> None:
-    """A shared system prompt's first block is all that is cached of a new document: the
-    document goes where least_loaded sends it, not onto the preamble's instance."""
-    backends = pool(2)
+def test_kv_places_a_prompt_cached_nowhere_at_its_home_with_bounded_load() -> None:
+    """Nothing (or only a short preamble) cached: each prompt goes to its head's rendezvous
+    home, the same every time (an evicted prompt comes back where it was), different heads
+    spread, and a home far above the average in flight passes it on."""
+    backends = pool(4)
     policy = KvAware()
-    names = []
-    for _ in range(4):
-        cached = Cached(900)
-        cached.update({"b0": 128})  # a seventh of the prompt, on one backend only
-        names.append(policy.choose(backends, dataclasses.replace(request(), cached=cached)).name)
-        assert cached.rule == "short_prefix"
-    assert sorted(names) == ["b0", "b0", "b1", "b1"]
+
+    def place(head: bytes, preamble: int = 0) -> tuple[str, str]:
+        cached = Cached(900, home=head)
+        if preamble:
+            cached.update({"b0": preamble})  # a seventh of the prompt, on one backend only
+        chosen = policy.choose(backends, dataclasses.replace(request(), cached=cached))
+        return chosen.name, cached.rule
+
+    homes = {place(f"document {i}".encode())[0] for i in range(40)}
+    assert len(homes) == 4
+    home, rule = place(b"document 7")
+    assert rule == "home"
+    assert {place(b"document 7")[0] for _ in range(5)} == {home}
+    assert place(b"document 7", preamble=128) == (home, "short_prefix")
+    busy = next(b for b in backends if b.name == home)
+    busy.in_flight = 10  # over 1.25 x the average in flight
+    assert place(b"document 7")[0] != home
