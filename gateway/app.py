@@ -63,7 +63,8 @@ class GatewayApp:
                     Route("/openapi.json", self._openapi, methods=["GET"]),
                     Route("/admin/keys", operators.admin.guard(self._keys), methods=["GET"]),
                     *operators.ops.routes(), *operators.admin.routes(),
-                    *operators.canary.routes()],
+                    *operators.canary.routes(),
+                    *(parts.batch.api.routes() if parts.batch is not None else [])],
             lifespan=Lifespan(parts, config),
             exception_handlers={404: _http_error, 405: _http_error},
         )

@@ -26,6 +26,8 @@ from gateway import __version__
 from gateway.admin.backends import Admin
 from gateway.admin.canary import CanaryAdmin, Reload
 from gateway.admin.reload import Reloadable, Reloader, background
+from gateway.batch import service as batch_service
+from gateway.batch.service import BatchService
 from gateway.canary.arms import Arms
 from gateway.canary.rollout import Canary
 from gateway.canary.shadow import Shadow
@@ -120,6 +122,7 @@ class Parts:
     keyring: Keyring  # the API keys and their tenants
     ledger: Ledger  # what each key used
     demand: Demand | None = None  # the control plane: instances started and stopped by demand
+    batch: BatchService | None = None  # a serving process with Redis: /v1/files, /v1/batches
 
     @property
     def proxy(self) -> Proxy:
@@ -222,9 +225,11 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     demand = _demand(role, pool, supervisors, workers, serving, metrics)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
                            shared, workers, control, discovery, demand)
+    batch = batch_service.make(config.batch, config.redis.data_dir, link, serving.proxy, pool,
+                               serving.queue, keyring) if serving is not None else None
     return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
-                 control, keyring, ledger, demand)
+                 control, keyring, ledger, demand, batch)
 
 
 def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],

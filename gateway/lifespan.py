@@ -147,6 +147,8 @@ class Lifespan:
             loops.append(asyncio.create_task(parts.link.run(), name="control-link"))
         if kind is not Kind.CONTROL:
             loops.append(asyncio.create_task(parts.operators.ops.refresh(), name="gauges"))
+        if parts.batch is not None:  # runs batches while this process holds the lease
+            loops.append(asyncio.create_task(parts.batch.runner.run(), name="batch-runner"))
         feeds = parts.serving.feeds if parts.serving is not None else None
         if feeds is not None:  # each serving process indexes the events itself (for now)
             # An instance that went down (it may come back restarted, its cache empty) has

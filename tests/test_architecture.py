@@ -20,6 +20,7 @@ FLOORS: list[set[str]] = [
     {"observability"},
     {"request"},  # a request parsed, its one Redis round trip, its plan
     {"reply"},  # an attempt's reply opened, relayed, continued, rescued
+    {"batch"},  # the Files and Batches APIs, and the runner that sends lines to the proxy
     {"admin"},
     # the front door; control/ holds the control plane (cli hands it what build made)
     {"app", "build", "cli", "control", "lifespan", "proxy", "workers", "__main__", "__init__"},
@@ -29,7 +30,7 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50
 TABLES = {"gateway/metrics.py:Metrics.__init__"}  # the metric catalogue, one entry per metric
 SUBPACKAGES = {"config", "http", "state", "kv", "upstream", "resilience", "tenants", "routing",
-               "canary", "observability", "request", "reply", "admin"}
+               "canary", "observability", "request", "reply", "batch", "admin"}
 
 
 def module_name(path: Path) -> str:

@@ -28,6 +28,7 @@ from pydantic import (
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
+from gateway.config.batch import BatchSection
 from gateway.config.checks import duplicate_keys, duplicate_names, duplicate_ports, gpu_budgets
 from gateway.config.source import Where, apply_env
 from gateway.config.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
@@ -278,6 +279,7 @@ class Config(Section):
     accounting: AccountingSection = AccountingSection()
     queue: QueueSection = QueueSection()
     tracing: TracingSection = TracingSection()
+    batch: BatchSection = BatchSection()
     backends: tuple[BackendSpec, ...]
 
     @property

@@ -13,7 +13,9 @@ from gateway.app import PROXIED, _openapi
 REPO = Path(__file__).resolve().parents[2]
 STORED = {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
 OWN = {"/v1/models", "/v1/models/{model}", "/health", "/version", "/openapi.json", "/healthz",
-       "/readyz", "/metrics", "/dashboard", "/admin/status", "/admin/reload", "/admin/keys"}
+       "/readyz", "/metrics", "/dashboard", "/admin/status", "/admin/reload", "/admin/keys",
+       "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+       "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel"}
 
 
 def test_the_document_describes_every_proxied_and_own_route() -> None:

@@ -1,0 +1,322 @@
+"""The one runner of a deployment: whichever serving process holds the lease in Redis
+(taken over within ``LEASE`` seconds when its holder dies) runs every open batch.
+
+A batch's lines go through the gateway's own proxy, as its owner's key but in ``BAND``,
+below every interactive band (priorities are 0 to 9), with no rpm/tpm of the key's taken;
+a line is sent only while nobody waits in this process's queue and one of its model's
+backends has room (under its capacity, or vLLM queueing nothing), at most ``concurrency``
+at once; lines that share a prompt's head go together (sorted by it), so vLLM's prefix
+cache serves them. Each result is appended to the batch's output or error file in one
+``write`` (a line cut by a kill is dropped on resume): after a restart, the lines whose
+``custom_id`` has a result are skipped, so each is written once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Message
+
+from gateway.batch import lines as batch_lines
+from gateway.batch.lines import Line
+from gateway.batch.store import Store, StoreUnavailable, new_id, now
+from gateway.http.auth import TENANT
+from gateway.routing.policies.prefix import prompt_head
+from gateway.routing.pool import BackendPool
+from gateway.routing.queue import WaitQueue
+from gateway.tenants.keyring import Tenant
+
+log = logging.getLogger("gateway.batch")
+
+BAND = -1  # the queue band of batch lines: below every key's priority (0 to 9)
+LEASE = 15.0  # seconds the runner's lease lasts unrenewed
+TICK = 1.0  # seconds between the runner's looks (lease, new batches, cancels, counts)
+GATE = 0.02  # seconds between looks for idle capacity while lines wait
+ENDED = ("completed", "failed", "expired", "cancelled")
+WINDOW = re.compile(r"(\d{1,6})([smh])")
+
+
+def window_seconds(text: str) -> int | None:
+    found = WINDOW.fullmatch(text)
+    if found is None:
+        return None
+    return int(found[1]) * {"s": 1, "m": 60, "h": 3600}[found[2]]
+
+
+class Runner:
+    def __init__(self, store: Store, proxy: ASGIApp, pool: BackendPool, queue: WaitQueue,
+                 tenants: Callable[[], dict[str, Tenant]], concurrency: int) -> None:
+        self.store = self._store = store
+        self._proxy = proxy
+        self._pool = pool
+        self._queue = queue
+        self._tenants = tenants
+        self._slots = asyncio.Semaphore(concurrency)
+        self._me = new_id("runner-")
+        self._running: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self) -> None:
+        """Hold the lease (or wait for it) and run the open batches while holding it."""
+        try:
+            while True:
+                try:
+                    leading = await self._store.lead(self._me, LEASE)
+                    if leading:
+                        await self._start_open()
+                except StoreUnavailable:
+                    leading = False
+                if not leading:
+                    self._stop_all()
+                await asyncio.sleep(TICK)
+        finally:
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        self._running.clear()
+
+    async def _start_open(self) -> None:
+        for done in [b for b, t in self._running.items() if t.done()]:
+            del self._running[done]
+        for batch_id in await self._store.open_batches():
+            if batch_id not in self._running:
+                self._running[batch_id] = asyncio.create_task(self._batch(batch_id),
+                                                              name=f"batch-{batch_id}")
+
+    async def _batch(self, batch_id: str) -> None:
+        try:
+            record = await self._store.get("b", batch_id, None)
+            if record is None or record["status"] in ENDED:
+                await self._store.opened(batch_id, None, False)
+                return
+            await Batch(self, record).run()
+        except asyncio.CancelledError:
+            raise
+        except StoreUnavailable:
+            log.warning("batch %s: the store is unavailable; it resumes later", batch_id)
+        except Exception:
+            log.exception("batch %s: the runner failed; it resumes later", batch_id)
+
+    async def slot(self) -> None:
+        """One of the ``concurrency`` places for a line (``free`` gives it back)."""
+        await self._slots.acquire()
+
+    def free(self) -> None:
+        self._slots.release()
+
+    async def send(self, owner: str, line: Line) -> tuple[int, bytes, str]:
+        """One line through the proxy, as its owner's key in the batch band, once there
+        is idle capacity for it: (status, body, request id)."""
+        await self._idle(line.body.get("model"))
+        return await self._call(owner, line)
+
+    async def _idle(self, model: object) -> None:
+        # Polled: room comes from in-flight counts and scraped loads that nothing signals.
+        while not self._room(model if isinstance(model, str) else ""):  # noqa: ASYNC110
+            await asyncio.sleep(GATE)
+
+    def _room(self, model: str) -> bool:
+        """Capacity nobody interactive waits for: this process's queue empty, and one of
+        the model's backends under its capacity, or (none set) vLLM queueing nothing."""
+        if not self._queue.idle:
+            return False
+        candidates = self._pool.candidates(model) if model else []
+        if not candidates:
+            return True  # the proxy answers it (an unknown model: the line's error)
+        return any(b.in_flight < b.capacity if b.capacity
+                   else b.load is None or b.load.waiting == 0 for b in candidates)
+
+    async def _call(self, owner: str, line: Line) -> tuple[int, bytes, str]:
+        body = orjson.dumps(line.body)
+        rid = os.urandom(16).hex()
+        key = self._tenants().get(owner)
+        tenant = Tenant(owner, key.models if key is not None else frozenset(), BAND)
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": line.url,
+            "raw_path": line.url.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"x-request-id", rid.encode())],
+            "client": ("batch", 0), "server": None, TENANT: tenant}
+        sent = False
+        status, chunks = 500, []
+
+        async def receive() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # never hangs up
+            raise AssertionError("unreachable")
+
+        async def send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self._proxy(scope, receive, send)
+        return status, b"".join(chunks), rid
+
+
+class Batch:
+    """One batch's run: resumed from its files, cancelled or expired between lines."""
+
+    def __init__(self, runner: Runner, record: dict[str, Any]) -> None:
+        self._runner = runner
+        self._store = runner.store
+        self.record = record
+        self.id = record["id"]
+        self._out = self._store.path(f"{self.id}.output.jsonl")
+        self._err = self._store.path(f"{self.id}.errors.jsonl")
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        record = self.record
+        if record["status"] == "validating":
+            record.update(status="in_progress", in_progress_at=now())
+            await self._save()
+        done, failed = await asyncio.to_thread(_finished, self._out, self._err)
+        source = self._store.path(record["input_file_id"])
+        try:
+            todo = await asyncio.to_thread(_todo, source, done)
+        except FileNotFoundError:  # deleted since
+            record.update(status="failed", failed_at=now(), errors={"object": "list", "data": [
+                {"code": "input_file_missing", "message": "The input file was deleted.",
+                 "param": "input_file_id", "line": None}]})
+            await self._store.put("b", record)
+            await self._store.opened(self.id, record["_owner"], False)
+            return
+        counts = record["request_counts"]  # as the files say (a kill loses the last save)
+        counts.update(completed=len(done) - failed, failed=failed)
+        watch = asyncio.create_task(self._watch())
+        try:
+            async with asyncio.TaskGroup() as group:
+                for line in todo:
+                    if self._stop.is_set():
+                        break
+                    await self._runner.slot()
+                    group.create_task(self._line(line, counts))
+        finally:
+            watch.cancel()
+        await self._finish()
+
+    async def _line(self, line: Line, counts: dict[str, int]) -> None:
+        try:
+            if not self._stop.is_set():
+                await self._done(line, counts)
+        finally:
+            self._runner.free()
+
+    async def _done(self, line: Line, counts: dict[str, int]) -> None:
+        status, body, rid = await self._runner.send(self.record["_owner"], line)
+        ok = 200 <= status < 300
+        try:
+            answer: Any = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            answer = {"error": {"message": "the reply was not JSON", "type": "server_error"}}
+        row = orjson.dumps({"id": new_id("batch_req_"), "custom_id": line.custom_id,
+                            "response": {"status_code": status, "request_id": rid,
+                                         "body": answer},
+                            "error": None}) + b"\n"
+        await asyncio.to_thread(_append, self._out if ok else self._err, row)
+        counts["completed" if ok else "failed"] += 1
+
+    async def _watch(self) -> None:
+        """Every ``TICK``: the counts saved, a cancel or the window's end noticed."""
+        while True:
+            await asyncio.sleep(TICK)
+            if not await self._save() or now() >= self.record["expires_at"]:
+                self._stop.set()
+
+    async def _save(self) -> bool:
+        """Write the record unless the batch was cancelled meanwhile (False then)."""
+        if not await self._store.save_running(self.record):
+            self.record["status"] = "cancelling"
+            return False
+        return True
+
+    async def _finish(self) -> None:
+        record = self.record
+        cancelled = await self._store.cancelled(self.id) or record["status"] == "cancelling"
+        if cancelled:
+            status = "cancelled"
+        elif self._stop.is_set():
+            status = "expired"
+        else:
+            status = "completed"
+        record.update(finalizing_at=record.get("finalizing_at") or now())
+        for name, field in ((self._out, "output_file_id"), (self._err, "error_file_id")):
+            if record.get(field) is None:
+                record[field] = await self._register(name)
+        record.update(status=status, **{f"{status}_at": now()})
+        await self._store.put("b", record)
+        await self._store.opened(self.id, record["_owner"], False)
+        log.info("batch %s %s: %s", self.id, status, record["request_counts"])
+
+    async def _register(self, path: Path) -> str | None:
+        size = await asyncio.to_thread(_size, path)
+        if not size:
+            return None
+        file_id = new_id("file-")
+        await self._store.put("f", {
+            "id": file_id, "object": "file", "bytes": size, "created_at": now(),
+            "filename": path.name, "purpose": "batch_output", "status": "processed",
+            "expires_at": None, "status_details": None,
+            "_owner": self.record["_owner"], "_name": path.name}, new=True)
+        return file_id
+
+
+def _finished(out: Path, errors: Path) -> tuple[set[str], int]:
+    """The custom_ids with a result written (a last line cut by a kill is removed), and
+    how many of them failed."""
+    done: set[str] = set()
+    failed = 0
+    for path in (out, errors):
+        try:
+            with open(path, "rb+") as f:
+                data = f.read()
+                end = data.rfind(b"\n") + 1
+                if end < len(data):
+                    f.truncate(end)
+        except FileNotFoundError:
+            continue
+        before = len(done)
+        for raw in data[:end].splitlines():
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                done.add(orjson.loads(raw)["custom_id"])
+        if path is errors:
+            failed = len(done) - before
+    return done, failed
+
+
+def _todo(source: Path, done: set[str]) -> list[Line]:
+    with open(source, "rb") as f:
+        todo = [line for line in batch_lines.read(f) if line.custom_id not in done]
+    todo.sort(key=lambda line: prompt_head(line.body, 512))
+    return todo
+
+
+def _append(path: Path, row: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, row)
+    finally:
+        os.close(fd)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,186 @@
+"""The Files and Batches APIs (issue 40) through the official Python SDK, against a real
+gateway (its embedded Redis, a worker per core) and simulators: a batch runs to its
+output file, each custom_id once; a bad file is refused at its first bad line; another
+key finds nothing; hostile ids reach no file; a cancel ends it; and a gateway SIGKILLed
+mid-batch resumes it after its restart without writing any line twice."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.helpers import Gateway, Sim, wait_for
+
+KEYS = ('[[keys]]\nname = "alice"\nkey = "sk-alice-key"\n'
+        '[[keys]]\nname = "bob"\nkey = "sk-bob-key"\n')
+
+
+def jsonl(n: int, model: str = "sim-model", first: int = 0) -> bytes:
+    return b"".join(orjson.dumps({
+        "custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": model, "max_tokens": 2,
+                 "messages": [{"role": "user", "content": f"Question {i}?"}]}}) + b"\n"
+        for i in range(first, first + n))
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[Sim]:
+    s = Sim(tmp_path, "b0")
+    yield s
+    s.stop()
+
+
+def gateway(tmp_path: Path, sim: Sim, name: str = "gw", extra: str = "") -> Gateway:
+    return Gateway(tmp_path, f'[batch]\ndir = "{tmp_path / "batch"}"\n{extra}' + KEYS
+                   + f'[[backends]]\nname = "b0"\nurl = "{sim.url}"\n', name=name,
+                   workers=None)
+
+
+def client(gw: Gateway, key: str = "sk-alice-key") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+
+
+def ended(sdk: openai.OpenAI, batch_id: str, within: float = 30) -> Any:
+    found: list[Any] = []
+
+    def done() -> bool:
+        found[:] = [sdk.batches.retrieve(batch_id)]
+        return found[0].status in ("completed", "failed", "expired", "cancelled")
+    wait_for(done, within, f"batch {batch_id} ended", every=0.2)
+    return found[0]
+
+
+def rows(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [orjson.loads(line) for line in sdk.files.content(file_id).content.splitlines()]
+
+
+def test_a_batch_runs_to_its_output_with_each_custom_id_once(tmp_path: Path, sim: Sim) -> None:
+    gw = gateway(tmp_path, sim)
+    try:
+        sdk = client(gw)
+        source = jsonl(20) + jsonl(1, model="no-such-model", first=20)
+        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(source)), purpose="batch")
+        assert uploaded.bytes == len(source) and uploaded.purpose == "batch"
+        assert sdk.files.retrieve(uploaded.id).filename == "in.jsonl"
+        assert sdk.files.content(uploaded.id).content == source
+        assert [f.id for f in sdk.files.list()] == [uploaded.id]
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h", metadata={"job": "eval"})
+        assert batch.status == "validating" and batch.request_counts.total == 21
+        done = ended(sdk, batch.id)
+        assert done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (20, 1)
+        out, errors = rows(sdk, done.output_file_id), rows(sdk, done.error_file_id)
+        assert sorted(r["custom_id"] for r in out) == sorted(f"line-{i}" for i in range(20))
+        assert all(r["response"]["status_code"] == 200 and r["response"]["body"]["choices"]
+                   for r in out)
+        assert [(r["custom_id"], r["response"]["status_code"]) for r in errors] == [
+            ("line-20", 404)]
+        assert [b.id for b in sdk.batches.list()] == [batch.id]
+        assert sdk.batches.retrieve(batch.id).metadata == {"job": "eval"}
+        sdk.files.delete(uploaded.id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.retrieve(uploaded.id)
+    finally:
+        gw.stop()
+
+
+def test_bad_files_and_other_keys_and_hostile_ids_are_refused(tmp_path: Path,
+                                                             sim: Sim) -> None:
+    gw = gateway(tmp_path, sim, extra="max_file_bytes = 100000\n")
+    try:
+        sdk, other = client(gw), client(gw, "sk-bob-key")
+        bad = jsonl(2) + b'{"custom_id": "line-0", "method": "POST", "url": ' \
+            b'"/v1/chat/completions", "body": {}}\n'
+        with pytest.raises(openai.BadRequestError, match="line 3: custom_id 'line-0' is "
+                                                         "repeated"):
+            sdk.files.create(file=("bad.jsonl", io.BytesIO(bad)), purpose="batch")
+        for junk, says in ((b"not json\n", "line 1: not a JSON object"),
+                           (b'{"custom_id": "a", "method": "GET", "url": "/v1/models", '
+                            b'"body": {}}\n', "line 1: method must be POST")):
+            with pytest.raises(openai.BadRequestError, match=says):
+                sdk.files.create(file=("bad.jsonl", io.BytesIO(junk)), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as big:
+            sdk.files.create(file=("big.jsonl", io.BytesIO(jsonl(2000))), purpose="batch")
+        assert big.value.status_code == 413
+        mine = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(2))), purpose="batch")
+        with pytest.raises(openai.NotFoundError):
+            other.files.retrieve(mine.id)
+        with pytest.raises(openai.BadRequestError, match="input_file_id"):
+            other.batches.create(input_file_id=mine.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+        with pytest.raises(openai.BadRequestError, match="must call /v1/embeddings"):
+            sdk.batches.create(input_file_id=mine.id, endpoint="/v1/embeddings",
+                               completion_window="24h")
+        assert other.files.list().data == []
+        for hostile in ("../../etc/passwd", "file-..%2F..%2Fetc%2Fpasswd", "%2e%2e",
+                        "file-" + "0" * 23 + "/", "batch_" + "0" * 24, mine.id + ".jsonl"):
+            answer = httpx.get(f"{gw.url}/v1/files/{hostile}/content",
+                               headers={"authorization": "Bearer sk-alice-key"})
+            assert answer.status_code == 404, (hostile, answer.text)
+            assert b"root:" not in answer.content
+        assert sorted(p.name for p in (tmp_path / "batch").iterdir()) == [mine.id]
+        assert httpx.get(gw.url + "/v1/files").status_code == 401
+    finally:
+        gw.stop()
+
+
+def test_a_cancelled_batch_stops_dispatching_and_ends_cancelled(tmp_path: Path) -> None:
+    slow = Sim(tmp_path, "slow", "--ttft", "0.3")
+    gw = gateway(tmp_path, slow, extra="concurrency = 2\n")
+    try:
+        sdk = client(gw)
+        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(200))), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 2, 30,
+                 "some lines done", every=0.2)
+        assert sdk.batches.cancel(batch.id).status == "cancelling"
+        done = ended(sdk, batch.id)
+        assert done.status == "cancelled"
+        assert done.request_counts.completed < 200
+        assert len(rows(sdk, done.output_file_id)) == done.request_counts.completed
+        with pytest.raises(openai.APIStatusError) as again:
+            sdk.batches.cancel(batch.id)
+        assert again.value.status_code == 409
+    finally:
+        gw.stop()
+        slow.stop()
+
+
+def test_a_batch_resumes_after_its_gateway_is_killed_and_writes_each_line_once(
+        tmp_path: Path) -> None:
+    slow = Sim(tmp_path, "slow", "--ttft", "0.05")
+    gw = gateway(tmp_path, slow, extra="concurrency = 4\n")
+    try:
+        sdk = client(gw)
+        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(300))), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        out = tmp_path / "batch" / f"{batch.id}.output.jsonl"
+        wait_for(lambda: out.exists() and out.stat().st_size > 2000, 30, "lines written",
+                 every=0.05)
+        os.killpg(os.getpgid(gw.proc.popen.pid), signal.SIGKILL)
+        gw.proc.popen.wait(10)
+        written = len(out.read_bytes().splitlines())
+        assert 0 < written < 300
+        gw = gateway(tmp_path, slow, name="gw")
+        sdk = client(gw)
+        done = ended(sdk, batch.id, within=60)
+        assert done.status == "completed"
+        ids = [r["custom_id"] for r in rows(sdk, done.output_file_id)]
+        assert sorted(ids) == sorted(f"line-{i}" for i in range(300))  # each once
+    finally:
+        gw.stop()
+        slow.stop()
