@@ -124,7 +124,8 @@ class Metrics:
         # Tenants: the key's name (bounded to the configured names), never the key.
         self.tokens = counter(
             "gateway_tokens_total", "Tokens vLLM reported (usage), by key name, model and kind "
-            "(prompt, completion)", ("key", "model", "kind"))
+            "(prompt, completion; a batch line's: batch_prompt, batch_completion)",
+            ("key", "model", "kind"))
         self.kv_blocks = gauge(
             "gateway_kv_blocks", "routing.policy = kv: blocks each backend holds in its KV "
             "cache, as its events say", ("backend",))

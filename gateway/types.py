@@ -15,6 +15,8 @@ from typing import Protocol
 
 from backends.backend import Backend
 
+BATCH_BAND = -1  # the queue band of batch lines: below every key's priority (0 to 9)
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -93,7 +95,7 @@ class Record:
     chunks: int = 0
     note: str = ""  # degraded cache, stream dropped, client gone...
     tenant: str = "anonymous"  # the calling key's name
-    priority: int = 0  # its key's band in the gateway's queue
+    priority: int = 0  # its key's band in the gateway's queue (BATCH_BAND: a batch line)
     placed: bool = False  # it took a place on a backend (freed when it ends)
     attempts: int = 0  # backends asked (the access log's "attempts")
     outside_arm: bool = False  # its canary arm had no backend left: stable serves it

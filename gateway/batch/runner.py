@@ -1,8 +1,9 @@
 """The one runner of a deployment: whichever serving process holds the lease in Redis
 (taken over within ``LEASE`` seconds when its holder dies) runs every open batch.
 
-A batch's lines go through the gateway's own proxy, as its owner's key but in ``BAND``,
-below every interactive band (priorities are 0 to 9), with no rpm/tpm of the key's taken;
+A batch's lines go through the gateway's own proxy, as its owner's key but in the queue's
+``BATCH_BAND``, below every interactive band (priorities are 0 to 9), with no rpm/tpm of
+the key's taken (their tokens are counted apart: ``batch_``);
 a line is sent only while nobody waits in this process's queue and one of its model's
 backends has room (under its capacity, or vLLM queueing nothing), at most ``concurrency``
 at once; lines that share a prompt's head go together (sorted by it), so vLLM's prefix
@@ -32,10 +33,10 @@ from gateway.routing.policies.prefix import prompt_head
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import WaitQueue
 from gateway.tenants.keyring import Tenant
+from gateway.types import BATCH_BAND
 
 log = logging.getLogger("gateway.batch")
 
-BAND = -1  # the queue band of batch lines: below every key's priority (0 to 9)
 LEASE = 15.0  # seconds the runner's lease lasts unrenewed
 TICK = 1.0  # seconds between the runner's looks (lease, new batches, cancels, counts)
 GATE = 0.02  # seconds between looks for idle capacity while lines wait
@@ -138,7 +139,7 @@ class Runner:
         body = orjson.dumps(line.body)
         rid = os.urandom(16).hex()
         key = self._tenants().get(owner)
-        tenant = Tenant(owner, key.models if key is not None else frozenset(), BAND)
+        tenant = Tenant(owner, key.models if key is not None else frozenset(), BATCH_BAND)
         scope: dict[str, Any] = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": line.url,

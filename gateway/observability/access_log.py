@@ -9,7 +9,7 @@ from typing import Any
 from gateway.metrics import Children, Metrics
 from gateway.observability.logs import JsonLines
 from gateway.observability.tracing import Tracing
-from gateway.types import Record
+from gateway.types import BATCH_BAND, Record
 
 log = logging.getLogger("gateway.access")
 AGENT_CHARS = 256  # of a client's User-Agent in its line
@@ -62,8 +62,9 @@ class RequestLog:
         child(m.duration, group).observe(duration)
         usage = record.usage
         if usage is not None:
-            child(m.tokens, record.tenant, model, "prompt").inc(usage[0])
-            child(m.tokens, record.tenant, model, "completion").inc(usage[1])
+            kind = "batch_" if record.priority == BATCH_BAND else ""
+            child(m.tokens, record.tenant, model, kind + "prompt").inc(usage[0])
+            child(m.tokens, record.tenant, model, kind + "completion").inc(usage[1])
         cached = request.cached
         predicted = cached.get(name, 0) if cached is not None else None
         if predicted is not None and record.cached is not None:

@@ -13,7 +13,7 @@ from gateway.state.link import Command, text
 from gateway.tenants.keyring import ANONYMOUS, Tenant
 from gateway.tenants.ledger import Ledger
 from gateway.tenants.limits import Admission, Limits
-from gateway.types import Record
+from gateway.types import BATCH_BAND, Record
 
 
 class TenantGate:
@@ -55,7 +55,7 @@ class TenantGate:
 
     def done(self, record: Record) -> None:
         """The request ended: what its key lent it back, its tokens corrected."""
-        self._ledger.record(record.tenant, record.usage)
+        self._ledger.record(record.tenant, record.usage, record.priority == BATCH_BAND)
         admission = record.admission
         if isinstance(admission, Admission):
             record.admission = None

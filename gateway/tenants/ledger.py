@@ -13,6 +13,9 @@ from gateway.tenants.keyring import Keyring
 
 MINUTE = 60
 
+FIELDS = ("requests", "prompt_tokens", "completion_tokens", "batch_requests",
+          "batch_prompt_tokens", "batch_completion_tokens")
+
 
 class Ledger:
     def __init__(self, link: RedisLink | None, keyring: Keyring, window: float,
@@ -23,16 +26,19 @@ class Ledger:
         self._prefix = (link.prefix if link is not None else "") + "use:"
         self._clock = clock
 
-    def record(self, tenant: str, usage: tuple[int, int] | None) -> None:
+    def record(self, tenant: str, usage: tuple[int, int] | None, batch: bool = False) -> None:
+        """A request's tokens, in the key's totals (a batch line's apart: ``batch_``)."""
         # Kept only when keys are configured (a reload may add them): an open gateway has
         # one anonymous caller, and its totals are the metrics'.
         if self._link is None or self._keyring.open:
             return
         key = f"{self._prefix}{tenant}:{int(self._clock() // MINUTE)}"
         prompt, completion = usage or (0, 0)
+        kind = "batch_" if batch else ""
         self._link.soon(
-            ("HINCRBY", key, "requests", 1), ("HINCRBY", key, "prompt_tokens", prompt),
-            ("HINCRBY", key, "completion_tokens", completion),
+            ("HINCRBY", key, kind + "requests", 1),
+            ("HINCRBY", key, kind + "prompt_tokens", prompt),
+            ("HINCRBY", key, kind + "completion_tokens", completion),
             ("PEXPIRE", key, (self._minutes + 1) * MINUTE * 1000))
 
     async def totals(self) -> dict[str, Any]:
@@ -47,7 +53,7 @@ class Ledger:
             answered, results = await self._link.execute(*commands) if commands else (True, [])
             if answered:
                 for i, name in enumerate(names):
-                    total = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+                    total = dict.fromkeys(FIELDS, 0)
                     for found in results[i * self._minutes:(i + 1) * self._minutes]:
                         for field, value in _pairs(found):
                             if field in total:

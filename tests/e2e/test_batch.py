@@ -18,9 +18,9 @@ import openai
 import orjson
 import pytest
 
-from tests.helpers import Gateway, Sim, wait_for
+from tests.helpers import Gateway, Sim, metric, wait_for
 
-KEYS = ('[[keys]]\nname = "alice"\nkey = "sk-alice-key"\n'
+KEYS = ('[[keys]]\nname = "alice"\nkey = "sk-alice-key"\nrpm = 5\n'
         '[[keys]]\nname = "bob"\nkey = "sk-bob-key"\n')
 
 
@@ -59,6 +59,11 @@ def ended(sdk: openai.OpenAI, batch_id: str, within: float = 30) -> Any:
     return found[0]
 
 
+def totals(gw: Gateway) -> dict[str, int]:
+    keys = httpx.get(gw.url + "/admin/keys").json()["keys"]
+    return next(k["totals"] for k in keys if k["name"] == "alice")
+
+
 def rows(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
@@ -89,6 +94,14 @@ def test_a_batch_runs_to_its_output_with_each_custom_id_once(tmp_path: Path, sim
             ("line-20", 404)]
         assert [b.id for b in sdk.batches.list()] == [batch.id]
         assert sdk.batches.retrieve(batch.id).metadata == {"job": "eval"}
+        # 21 lines through a key of 5 requests a minute: none of its rpm taken, its
+        # tokens counted apart from its interactive ones.
+        assert sdk.chat.completions.create(model="sim-model", max_tokens=1, messages=[
+            {"role": "user", "content": "hi"}]).choices
+        assert metric(gw.url, "gateway_tokens_total", key="alice", model="sim-model",
+                      kind="batch_prompt") > 0
+        wait_for(lambda: totals(gw)["batch_requests"] == 21, 10, "batch lines counted")
+        assert totals(gw)["requests"] == 1
         sdk.files.delete(uploaded.id)
         with pytest.raises(openai.NotFoundError):
             sdk.files.retrieve(uploaded.id)

@@ -467,7 +467,9 @@ def test_the_admin_view_sums_each_keys_use_across_replicas(link: MemoryLink) -> 
 
     view = run(main())
     bob = next(k for k in view["keys"] if k["name"] == "bob")
-    assert bob["totals"] == {"requests": 2, "prompt_tokens": 2, "completion_tokens": 2}
+    assert bob["totals"] == {"requests": 2, "prompt_tokens": 2, "completion_tokens": 2,
+                             "batch_requests": 0, "batch_prompt_tokens": 0,
+                             "batch_completion_tokens": 0}
     assert bob["max_concurrent"] == 1 and bob["models"] == ["m"]
     assert view["window_s"] == 3600
 
