@@ -24,7 +24,7 @@ from gateway.routing.pins import PinStore
 from gateway.routing.policies.weighted import in_turn
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import NoRoom, PinFull, WaitQueue
-from gateway.types import Facts, Policy, Request
+from gateway.types import BATCH_BAND, Facts, Policy, Request
 
 KV_FULL = 0.99  # vLLM's KV-cache use at which a new request would wait inside vLLM
 
@@ -84,7 +84,8 @@ class Router:
         A session whose pinned backend is at capacity while another has room waits up to
         ``queue.pin_wait`` for a place on its own, then moves."""
         front = False
-        if queue.waiting and not queue.skips(tenant):
+        # A batch line never takes a place reserved for its key: it waits behind everyone.
+        if queue.waiting and (band == BATCH_BAND or not queue.skips(tenant)):
             await queue.wait(band, tenant)
             front = True
         pin_wait = queue.pin_wait  # what is left of it

@@ -10,6 +10,8 @@ import io
 import os
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +199,47 @@ def test_a_batch_resumes_after_its_gateway_is_killed_and_writes_each_line_once(
     finally:
         gw.stop()
         slow.stop()
+
+
+def test_interactive_requests_go_before_batch_lines(tmp_path: Path) -> None:
+    """The simulator's capacity model (2 at once, 0.3 s each) behind a gateway that holds the
+    backend to 2: six interactive requests sent while a batch runs are all served before
+    any batch line sent after they arrived ends; the batch goes on after them. Two things
+    keep that order: the runner sends a line only into a free place nobody waits for, and a
+    line that waits anyway never takes the place the queue reserves for a key with fewer
+    in flight (without both, this test fails: a line went ahead of an interactive one)."""
+    cap = Sim(tmp_path, "cap", "--ttft", "0.3", "--capacity", "2")
+    gw = Gateway(tmp_path, f'[batch]\ndir = "{tmp_path / "batch"}"\n' + KEYS
+                 + f'[[backends]]\nname = "b0"\nurl = "{cap.url}"\nmax_concurrent = 2\n',
+                 name="cap", workers=1)
+    try:
+        sdk, bob = client(gw), client(gw, "sk-bob-key")
+        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(30))), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 2, 30,
+                 "the batch flowing", every=0.05)
+        with ThreadPoolExecutor(6) as pool:
+            asked = list(pool.map(lambda i: bob.chat.completions.create(
+                model="sim-model", max_tokens=1,
+                messages=[{"role": "user", "content": f"now {i}"}]), range(6)))
+        assert all(a.choices for a in asked)
+        assert ended(sdk, batch.id).status == "completed"
+        lines = [orjson.loads(raw) for raw in gw.proc.log.read_bytes().splitlines()
+                 if b'"msg":"request"' in raw]
+        ends = {id(e): _seconds(e["ts"]) for e in lines}
+        starts = {id(e): ends[id(e)] - e["duration_ms"] / 1000 for e in lines}
+        interactive = [e for e in lines if e["key"] == "bob"]
+        batch_lines = [e for e in lines if e["key"] == "alice"]
+        arrived = max(starts[id(e)] for e in interactive)
+        last = max(ends[id(e)] for e in interactive)
+        after = [e for e in batch_lines if starts[id(e)] > arrived]
+        assert after, "the batch went on"
+        assert all(ends[id(e)] >= last for e in after), (arrived, last, after)
+    finally:
+        gw.stop()
+        cap.stop()
+
+
+def _seconds(ts: str) -> float:
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
