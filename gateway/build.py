@@ -226,7 +226,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
                            shared, workers, control, discovery, demand)
     batch = batch_service.make(config.batch, config.redis.data_dir, link, serving.proxy, pool,
-                               serving.queue, keyring) if serving is not None else None
+                               serving.queue, keyring, metrics) if serving is not None else None
     return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
                  control, keyring, ledger, demand, batch)

@@ -167,6 +167,17 @@ class Metrics:
             ("key", "limit"))
         self.queue_depth = gauge("gateway_queue_depth", "Requests held in the gateway's queue "
                                  "by priority band (summed over workers)", ("band",), "livesum")
+        self.batch_lines = counter(
+            "gateway_batch_lines_total", "Batch lines answered, by result (completed: a 2xx; "
+            "failed: any other answer, in the error file)", ("result",))
+        self.batches_ended = counter(
+            "gateway_batches_total", "Batches that ended, by status (completed, expired, "
+            "cancelled, failed)", ("status",))
+        self.batch_queued = gauge("gateway_batch_lines_queued", "Lines of running batches not "
+                                  "yet sent", (), "livesum")
+        self.batch_in_flight = gauge(
+            "gateway_batch_lines_in_flight", "Batch lines in flight: the capacity the batch "
+            "band holds", (), "livesum")
         self.queue_wait = histogram("gateway_queue_wait_seconds", "Time each request waited "
                                     "in the gateway's queue", (), LATENCY)
         self.shed = counter("gateway_shed_total", "Requests let go from the gateway's queue "

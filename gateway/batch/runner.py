@@ -29,6 +29,7 @@ from gateway.batch import lines as batch_lines
 from gateway.batch.lines import Line
 from gateway.batch.store import Store, StoreUnavailable, new_id, now
 from gateway.http.auth import TENANT
+from gateway.metrics import Metrics
 from gateway.routing.policies.prefix import prompt_head
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import WaitQueue
@@ -53,8 +54,10 @@ def window_seconds(text: str) -> int | None:
 
 class Runner:
     def __init__(self, store: Store, proxy: ASGIApp, pool: BackendPool, queue: WaitQueue,
-                 tenants: Callable[[], dict[str, Tenant]], concurrency: int) -> None:
+                 tenants: Callable[[], dict[str, Tenant]], concurrency: int,
+                 metrics: Metrics) -> None:
         self.store = self._store = store
+        self.metrics = metrics
         self._proxy = proxy
         self._pool = pool
         self._queue = queue
@@ -117,7 +120,11 @@ class Runner:
         """One line through the proxy, as its owner's key in the batch band, once there
         is idle capacity for it: (status, body, request id)."""
         await self._idle(line.body.get("model"))
-        return await self._call(owner, line)
+        self.metrics.batch_in_flight.inc()
+        try:
+            return await self._call(owner, line)
+        finally:
+            self.metrics.batch_in_flight.dec()
 
     async def _idle(self, model: object) -> None:
         # Polled: room comes from in-flight counts and scraped loads that nothing signals.
@@ -181,6 +188,7 @@ class Batch:
         self._out = self._store.path(f"{self.id}.output.jsonl")
         self._err = self._store.path(f"{self.id}.errors.jsonl")
         self._stop = asyncio.Event()
+        self._sent = 0  # lines handed to the runner (out of the queued gauge)
 
     async def run(self) -> None:
         record = self.record
@@ -201,6 +209,8 @@ class Batch:
         counts = record["request_counts"]  # as the files say (a kill loses the last save)
         counts.update(completed=len(done) - failed, failed=failed)
         watch = asyncio.create_task(self._watch())
+        queued = self._runner.metrics.batch_queued
+        queued.inc(len(todo))
         try:
             async with asyncio.TaskGroup() as group:
                 for line in todo:
@@ -210,6 +220,7 @@ class Batch:
                     group.create_task(self._line(line, counts))
         finally:
             watch.cancel()
+            queued.dec(len(todo) - self._sent)
         await self._finish()
 
     async def _line(self, line: Line, counts: dict[str, int]) -> None:
@@ -220,6 +231,8 @@ class Batch:
             self._runner.free()
 
     async def _done(self, line: Line, counts: dict[str, int]) -> None:
+        self._sent += 1
+        self._runner.metrics.batch_queued.dec()
         status, body, rid = await self._runner.send(self.record["_owner"], line)
         ok = 200 <= status < 300
         try:
@@ -232,6 +245,7 @@ class Batch:
                             "error": None}) + b"\n"
         await asyncio.to_thread(_append, self._out if ok else self._err, row)
         counts["completed" if ok else "failed"] += 1
+        self._runner.metrics.batch_lines.labels("completed" if ok else "failed").inc()
 
     async def _watch(self) -> None:
         """Every ``TICK``: the counts saved, a cancel or the window's end noticed."""
@@ -263,6 +277,7 @@ class Batch:
         record.update(status=status, **{f"{status}_at": now()})
         await self._store.put("b", record)
         await self._store.opened(self.id, record["_owner"], False)
+        self._runner.metrics.batches_ended.labels(status).inc()
         log.info("batch %s %s: %s", self.id, status, record["request_counts"])
 
     async def _register(self, path: Path) -> str | None:

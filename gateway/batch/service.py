@@ -12,6 +12,7 @@ from gateway.batch.routes import BatchApi
 from gateway.batch.runner import Runner
 from gateway.batch.store import Store
 from gateway.config.batch import BatchSection
+from gateway.metrics import Metrics
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import WaitQueue
 from gateway.state.link import RedisLink
@@ -25,7 +26,8 @@ class BatchService:
 
 
 def make(settings: BatchSection, data_dir: str, link: RedisLink | None, proxy: ASGIApp,
-         pool: BackendPool, queue: WaitQueue, keyring: Keyring) -> BatchService | None:
+         pool: BackendPool, queue: WaitQueue, keyring: Keyring,
+         metrics: Metrics) -> BatchService | None:
     """None when off, or without Redis (the records live there). The files go to
     ``settings.dir``, else ``batch`` beside Redis's ``data_dir``."""
     if not settings.enabled or link is None:
@@ -33,4 +35,4 @@ def make(settings: BatchSection, data_dir: str, link: RedisLink | None, proxy: A
     store = Store(link, settings.dir or str(Path(data_dir).parent / "batch"))
     return BatchService(BatchApi(store, settings),
                         Runner(store, proxy, pool, queue, lambda: keyring.tenants,
-                               settings.concurrency))
+                               settings.concurrency, metrics))

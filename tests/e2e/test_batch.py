@@ -103,6 +103,11 @@ def test_a_batch_runs_to_its_output_with_each_custom_id_once(tmp_path: Path, sim
         assert metric(gw.url, "gateway_tokens_total", key="alice", model="sim-model",
                       kind="batch_prompt") > 0
         wait_for(lambda: totals(gw)["batch_requests"] == 21, 10, "batch lines counted")
+        assert metric(gw.url, "gateway_batch_lines_total", result="completed") == 20
+        assert metric(gw.url, "gateway_batch_lines_total", result="failed") == 1
+        assert metric(gw.url, "gateway_batches_total", status="completed") == 1
+        assert metric(gw.url, "gateway_batch_lines_queued") == 0
+        assert metric(gw.url, "gateway_batch_lines_in_flight") == 0
         assert totals(gw)["requests"] == 1
         sdk.files.delete(uploaded.id)
         with pytest.raises(openai.NotFoundError):
@@ -161,14 +166,36 @@ def test_a_cancelled_batch_stops_dispatching_and_ends_cancelled(tmp_path: Path) 
                                    completion_window="24h")
         wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 2, 30,
                  "some lines done", every=0.2)
+        assert metric(gw.url, "gateway_batch_lines_queued") > 100
+        assert metric(gw.url, "gateway_batch_lines_in_flight") <= 2
         assert sdk.batches.cancel(batch.id).status == "cancelling"
         done = ended(sdk, batch.id)
         assert done.status == "cancelled"
+        assert metric(gw.url, "gateway_batch_lines_queued") == 0
+        assert metric(gw.url, "gateway_batches_total", status="cancelled") == 1
         assert done.request_counts.completed < 200
         assert len(rows(sdk, done.output_file_id)) == done.request_counts.completed
         with pytest.raises(openai.APIStatusError) as again:
             sdk.batches.cancel(batch.id)
         assert again.value.status_code == 409
+    finally:
+        gw.stop()
+        slow.stop()
+
+
+def test_a_batch_past_its_window_ends_expired_with_what_finished(tmp_path: Path) -> None:
+    slow = Sim(tmp_path, "slow", "--ttft", "0.2")
+    gw = gateway(tmp_path, slow, extra="concurrency = 1\n")
+    try:
+        sdk = client(gw)
+        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(100))), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="3s")
+        assert batch.expires_at == batch.created_at + 3
+        done = ended(sdk, batch.id)
+        assert done.status == "expired" and done.expired_at is not None
+        assert 0 < done.request_counts.completed < 100
+        assert len(rows(sdk, done.output_file_id)) == done.request_counts.completed
     finally:
         gw.stop()
         slow.stop()
