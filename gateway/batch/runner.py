@@ -5,11 +5,13 @@ A batch's lines go through the gateway's own proxy, as its owner's key but in th
 ``BATCH_BAND``, below every interactive band (priorities are 0 to 9), with no rpm/tpm of
 the key's taken (their tokens are counted apart: ``batch_``);
 a line is sent only while nobody waits in this process's queue and one of its model's
-backends has room (under its capacity, or vLLM queueing nothing), at most ``concurrency``
-at once; lines that share a prompt's head go together (sorted by it), so vLLM's prefix
-cache serves them. Each result is appended to the batch's output or error file in one
-``write`` (a line cut by a kill is dropped on resume): after a restart, the lines whose
-``custom_id`` has a result are skipped, so each is written once."""
+backends has room (under its capacity, or vLLM queueing nothing), within the band's share
+(``gateway.batch.share``: it grows while no interactive request waits, halves when one
+does) and never more than ``concurrency`` at once; lines that share a prompt's head go
+together (sorted by it), so vLLM's prefix cache serves them. Each result is appended to
+the batch's output or error file in one ``write`` (a line cut by a kill is dropped on
+resume): after a restart, the lines whose ``custom_id`` has a result are skipped, so each
+is written once."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from starlette.types import ASGIApp, Message
 
 from gateway.batch import lines as batch_lines
 from gateway.batch.lines import Line
+from gateway.batch.share import Share
 from gateway.batch.store import Store, StoreUnavailable, new_id, now
 from gateway.http.auth import TENANT
 from gateway.metrics import Metrics
@@ -63,6 +66,7 @@ class Runner:
         self._queue = queue
         self._tenants = tenants
         self._slots = asyncio.Semaphore(concurrency)
+        self.share = Share(concurrency)
         self._me = new_id("runner-")
         self._running: dict[str, asyncio.Task[None]] = {}
 
@@ -116,25 +120,34 @@ class Runner:
     def free(self) -> None:
         self._slots.release()
 
+    async def ready(self, model: object, stop: asyncio.Event) -> bool:
+        """Until there is idle capacity for a line of ``model`` (True: its place in the
+        band's share is then taken, and ``send`` gives it back) or ``stop`` is set (False).
+        One poller per batch: room comes from in-flight counts and scraped loads that
+        nothing signals."""
+        while not stop.is_set():
+            self.share.look(self._queue.interactive_waits)
+            if self._room(model if isinstance(model, str) else ""):
+                self.share.in_flight += 1
+                return True
+            await asyncio.sleep(GATE)
+        return False
+
     async def send(self, owner: str, line: Line) -> tuple[int, bytes, str]:
-        """One line through the proxy, as its owner's key in the batch band, once there
-        is idle capacity for it: (status, body, request id)."""
-        await self._idle(line.body.get("model"))
+        """One line through the proxy (after ``ready``), as its owner's key in the batch
+        band: (status, body, request id)."""
         self.metrics.batch_in_flight.inc()
         try:
             return await self._call(owner, line)
         finally:
+            self.share.in_flight -= 1
             self.metrics.batch_in_flight.dec()
 
-    async def _idle(self, model: object) -> None:
-        # Polled: room comes from in-flight counts and scraped loads that nothing signals.
-        while not self._room(model if isinstance(model, str) else ""):  # noqa: ASYNC110
-            await asyncio.sleep(GATE)
-
     def _room(self, model: str) -> bool:
-        """Capacity nobody interactive waits for: this process's queue empty, and one of
-        the model's backends under its capacity, or (none set) vLLM queueing nothing."""
-        if not self._queue.idle:
+        """Capacity nobody interactive waits for: within the band's share, this process's
+        queue empty, and one of the model's backends under its capacity, or (none set) vLLM
+        queueing nothing."""
+        if not self.share.room or not self._queue.idle:
             return False
         candidates = self._pool.candidates(model) if model else []
         if not candidates:
@@ -217,6 +230,14 @@ class Batch:
                     if self._stop.is_set():
                         break
                     await self._runner.slot()
+                    try:
+                        ready = await self._runner.ready(line.body.get("model"), self._stop)
+                    except BaseException:
+                        self._runner.free()
+                        raise
+                    if not ready:
+                        self._runner.free()
+                        break
                     group.create_task(self._line(line, counts))
         finally:
             watch.cancel()
@@ -225,8 +246,7 @@ class Batch:
 
     async def _line(self, line: Line, counts: dict[str, int]) -> None:
         try:
-            if not self._stop.is_set():
-                await self._done(line, counts)
+            await self._done(line, counts)
         finally:
             self._runner.free()
 

@@ -21,6 +21,7 @@ from gateway.state.link import RedisLink
 
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
+RESULTS = re.compile(r"batch_[0-9a-f]{24}\.(output|errors)\.jsonl")  # a batch's results
 RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
          "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
 SAVE = ("if redis.call('exists', KEYS[2]) == 1 then return 0 end "
@@ -51,7 +52,7 @@ class Store:
 
     def path(self, name: str) -> Path:
         """A file of the directory, by a name the gateway made (never a client's)."""
-        if not (FILE_ID.fullmatch(name) or BATCH_ID.fullmatch(name.split(".")[0])):
+        if not (FILE_ID.fullmatch(name) or RESULTS.fullmatch(name)):
             raise ValueError("not a name the gateway makes")
         return self.dir / name
 

@@ -19,6 +19,7 @@ from backends.backend import Backend
 from gateway.config.tenancy import QueueSection
 from gateway.errors import Shed
 from gateway.metrics import Metrics
+from gateway.types import BATCH_BAND
 
 
 class NoRoom(Exception):
@@ -45,6 +46,7 @@ class WaitQueue:
         # band -> tenant -> its waiters, oldest first; tenants in turn order
         self._bands: dict[int, OrderedDict[str, deque[asyncio.Future[None]]]] = {}
         self.waiting = 0
+        self.interactive_waits = 0  # requests that had to wait, batch lines aside (ever)
         self._pinned: set[asyncio.Future[None]] = set()  # sessions waiting for their own
         self.pin_wait = settings.pin_wait
 
@@ -91,6 +93,8 @@ class WaitQueue:
         future: asyncio.Future[None] = loop.create_future()
         (waiters.appendleft if front else waiters.append)(future)
         self.waiting += 1
+        if band != BATCH_BAND:
+            self.interactive_waits += 1
         depth = self._metrics.queue_depth.labels(str(band))
         depth.inc()
         began = loop.time()
