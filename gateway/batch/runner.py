@@ -72,6 +72,7 @@ class Runner:
 
     async def run(self) -> None:
         """Hold the lease (or wait for it) and run the open batches while holding it."""
+        led = False
         try:
             while True:
                 try:
@@ -80,6 +81,10 @@ class Runner:
                         await self._start_open()
                 except StoreUnavailable:
                     leading = False
+                if leading != led:
+                    log.info("batch runner %s: %s", self._me,
+                             "this process runs the batches" if leading else "lease lost")
+                    led = leading
                 if not leading:
                     self._stop_all()
                 await asyncio.sleep(TICK)

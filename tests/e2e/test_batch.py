@@ -20,7 +20,7 @@ import openai
 import orjson
 import pytest
 
-from tests.helpers import Gateway, Sim, metric, wait_for
+from tests.helpers import Gateway, RedisServer, Sim, metric, wait_for
 
 KEYS = ('[[keys]]\nname = "alice"\nkey = "sk-alice-key"\nrpm = 5\n'
         '[[keys]]\nname = "bob"\nkey = "sk-bob-key"\n')
@@ -226,6 +226,43 @@ def test_a_batch_resumes_after_its_gateway_is_killed_and_writes_each_line_once(
     finally:
         gw.stop()
         slow.stop()
+
+
+def test_another_replica_takes_the_batch_over_when_its_runner_dies(tmp_path: Path) -> None:
+    """Two replicas on one Redis and one batch directory: the one whose process runs the
+    batch (its lease in Redis) is SIGKILLed, the other takes the lease when it lapses and
+    finishes the batch, each custom_id once."""
+    redis = RedisServer(tmp_path)
+    slow = Sim(tmp_path, "slow", "--ttft", "0.05")
+    shared = (f'[redis]\nurl = "{redis.url}"\nkey_prefix = "two:"\n'
+              f'[batch]\ndir = "{tmp_path / "batch"}"\nconcurrency = 2\n'
+              f'[[backends]]\nname = "b0"\nurl = "{slow.url}"\n')
+    replicas = [Gateway(tmp_path, shared, name=f"r{i}", workers=None) for i in range(2)]
+    try:
+        sdk = openai.OpenAI(base_url=replicas[0].url + "/v1", api_key="x", max_retries=0)
+        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(300))), purpose="batch")
+        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        out = tmp_path / "batch" / f"{batch.id}.output.jsonl"
+        wait_for(lambda: out.exists() and out.stat().st_size > 2000, 30, "lines written",
+                 every=0.05)
+        holder = redis.client().get("two:batch:runner")
+        (runner,) = [r for r in replicas if f"batch runner {holder}: this process" in
+                     r.proc.output()]
+        os.killpg(os.getpgid(runner.proc.popen.pid), signal.SIGKILL)
+        runner.proc.popen.wait(10)
+        other = next(r for r in replicas if r is not runner)
+        done = ended(openai.OpenAI(base_url=other.url + "/v1", api_key="x", max_retries=0),
+                     batch.id, within=90)
+        assert done.status == "completed"
+        ids = [orjson.loads(line)["custom_id"] for line in out.read_bytes().splitlines()]
+        assert sorted(ids) == sorted(f"line-{i}" for i in range(300))  # each once
+        assert "this process runs the batches" in other.proc.output()
+    finally:
+        for r in replicas:
+            r.stop()
+        slow.stop()
+        redis.stop()
 
 
 def test_interactive_requests_go_before_batch_lines(tmp_path: Path) -> None:
