@@ -1,6 +1,7 @@
 """The official OpenAI Node SDK (tests/node, installed by scripts/test.sh with npm) against
 the real gateway: chat streamed and not, models listed and retrieved, embeddings (the SDK
-asks for base64), the Responses API with a follow-up, its retrieval and its events."""
+asks for base64), the Responses API with a follow-up, its retrieval and its events, and a
+batch (its file uploaded as the SDK uploads files)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,5 @@ def test_the_node_sdk_works_through_the_gateway(gateway: Gateway) -> None:
     assert out["responses"] == {"text": " tok0 tok1 tok2", "follows": True, "retrieved": True}
     assert out["responseEvents"][0] == "response.created"
     assert out["responseEvents"][-1] == "response.completed"
+    assert out["batch"] == {"status": "completed", "completed": 3, "ids": ["n0", "n1", "n2"],
+                            "listed": True, "file": True}

@@ -1,6 +1,6 @@
 // The official OpenAI Node SDK against a running gateway: node sdk.mjs BASE_URL MODEL
 // Prints one JSON object of what each call returned; tests/e2e/test_node_sdk.py checks it.
-import OpenAI from "openai";
+import OpenAI, { toFile } from "openai";
 
 const [baseURL, model] = process.argv.slice(2);
 const client = new OpenAI({ baseURL, apiKey: "unused", maxRetries: 0, timeout: 30_000 });
@@ -45,5 +45,31 @@ const events = await client.responses.create({
 });
 out.responseEvents = [];
 for await (const event of events) out.responseEvents.push(event.type);
+
+// A batch: the input uploaded as the SDK uploads files, run, its output read back.
+const line = (i) => JSON.stringify({
+  custom_id: `n${i}`, method: "POST", url: "/v1/chat/completions",
+  body: { model, messages, max_tokens: 2 },
+});
+const input = [0, 1, 2].map(line).join("\n") + "\n";
+const file = await client.files.create({
+  file: await toFile(Buffer.from(input), "in.jsonl"), purpose: "batch",
+});
+const batch = await client.batches.create({
+  input_file_id: file.id, endpoint: "/v1/chat/completions", completion_window: "24h",
+});
+let done = batch;
+const ended = ["completed", "failed", "expired", "cancelled"];
+for (let i = 0; i < 300 && !ended.includes(done.status); i++) {
+  await new Promise((resolve) => setTimeout(resolve, 100));
+  done = await client.batches.retrieve(batch.id);
+}
+const output = await (await client.files.content(done.output_file_id)).text();
+out.batch = {
+  status: done.status, completed: done.request_counts.completed,
+  ids: output.trim().split("\n").map((l) => JSON.parse(l).custom_id).sort(),
+  listed: (await client.batches.list()).data.some((b) => b.id === batch.id),
+  file: (await client.files.retrieve(file.id)).bytes === Buffer.byteLength(input),
+};
 
 console.log(JSON.stringify(out));
