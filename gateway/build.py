@@ -225,8 +225,9 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     demand = _demand(role, pool, supervisors, workers, serving, metrics)
     operators = _operators(config, path, pool, breakers, canary, status, metrics, reloadable,
                            shared, workers, control, discovery, demand)
-    batch = batch_service.make(config.batch, config.redis.data_dir, link, serving.proxy, pool,
-                               serving.queue, keyring, metrics) if serving is not None else None
+    batch = batch_service.make(
+        config.batch, config.redis.data_dir, config.gateway.body_timeout, link, serving.proxy,
+        pool, serving.queue, keyring, metrics) if serving is not None else None
     return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
                  control, keyring, ledger, demand, batch)

@@ -24,6 +24,7 @@ from gateway.batch.store import Store, StoreUnavailable, new_id, now, shown
 from gateway.config.batch import BatchSection
 from gateway.errors import error_body
 from gateway.http.auth import TENANT
+from gateway.http.form import is_form
 from gateway.tenants.keyring import ANONYMOUS
 
 SLACK = 64 * 1024  # bytes of multipart framing allowed beyond the file itself
@@ -31,6 +32,10 @@ MAX_METADATA = 16  # pairs, as OpenAI
 
 
 class TooLarge(Exception):
+    pass
+
+
+class Stalled(Exception):
     pass
 
 
@@ -50,9 +55,10 @@ def _owner(request: Request) -> str:
 
 
 class BatchApi:
-    def __init__(self, store: Store, settings: BatchSection) -> None:
+    def __init__(self, store: Store, settings: BatchSection, idle: float) -> None:
         self._store = store
         self._settings = settings
+        self._idle = idle  # seconds an upload may send nothing
 
     def routes(self) -> list[Route]:
         guard = self._guarded
@@ -83,11 +89,17 @@ class BatchApi:
         limit = self._settings.max_file_bytes
         if int(request.headers.get("content-length") or 0) > limit + SLACK:
             return _error(413, f"A file may hold at most {limit} bytes.", "file_too_large")
-        request._receive = _counted(request.receive, limit + SLACK)
+        if not is_form(request.headers.get("content-type", "").encode("latin-1")):
+            return _error(400, "The body must be multipart/form-data with a file and a "
+                          "purpose.", "invalid_form")
+        request._receive = _counted(request.receive, limit + SLACK, self._idle)
         try:
             form = await request.form(max_files=1, max_fields=8)
         except TooLarge:
             return _error(413, f"A file may hold at most {limit} bytes.", "file_too_large")
+        except Stalled:
+            return _error(408, f"The upload sent nothing for {self._idle:g} s.",
+                          "request_timeout")
         except Exception:
             return _error(400, "The body must be multipart/form-data with a file and a "
                           "purpose.", "invalid_form")
@@ -240,13 +252,18 @@ def _missing(what: str, request: Request) -> Response:
                   "not_found", "id")
 
 
-def _counted(receive: Any, limit: int) -> Any:
-    """``receive``, refusing (``TooLarge``) a body past ``limit`` bytes."""
+def _counted(receive: Any, limit: int, idle: float) -> Any:
+    """``receive``, refusing a body past ``limit`` bytes (``TooLarge``) or one that sends
+    nothing for ``idle`` seconds (``Stalled``)."""
     total = 0
 
     async def counted() -> Message:
         nonlocal total
-        message: Message = await receive()
+        try:
+            async with asyncio.timeout(idle):
+                message: Message = await receive()
+        except TimeoutError:
+            raise Stalled from None
         total += len(message.get("body", b""))
         if total > limit:
             raise TooLarge

@@ -25,14 +25,15 @@ class BatchService:
     runner: Runner
 
 
-def make(settings: BatchSection, data_dir: str, link: RedisLink | None, proxy: ASGIApp,
-         pool: BackendPool, queue: WaitQueue, keyring: Keyring,
+def make(settings: BatchSection, data_dir: str, idle: float, link: RedisLink | None,
+         proxy: ASGIApp, pool: BackendPool, queue: WaitQueue, keyring: Keyring,
          metrics: Metrics) -> BatchService | None:
     """None when off, or without Redis (the records live there). The files go to
-    ``settings.dir``, else ``batch`` beside Redis's ``data_dir``."""
+    ``settings.dir``, else ``batch`` beside Redis's ``data_dir``; an upload that sends
+    nothing for ``idle`` seconds is refused."""
     if not settings.enabled or link is None:
         return None
     store = Store(link, settings.dir or str(Path(data_dir).parent / "batch"))
-    return BatchService(BatchApi(store, settings),
+    return BatchService(BatchApi(store, settings, idle),
                         Runner(store, proxy, pool, queue, lambda: keyring.tenants,
                                settings.concurrency, metrics))

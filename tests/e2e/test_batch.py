@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
@@ -41,8 +42,10 @@ def sim(tmp_path: Path) -> Iterator[Sim]:
     s.stop()
 
 
-def gateway(tmp_path: Path, sim: Sim, name: str = "gw", extra: str = "") -> Gateway:
-    return Gateway(tmp_path, f'[batch]\ndir = "{tmp_path / "batch"}"\n{extra}' + KEYS
+def gateway(tmp_path: Path, sim: Sim, name: str = "gw", extra: str = "",
+            front: str = "") -> Gateway:
+    """``extra``: [batch] keys; ``front``: [gateway] keys."""
+    return Gateway(tmp_path, f'{front}[batch]\ndir = "{tmp_path / "batch"}"\n{extra}' + KEYS
                    + f'[[backends]]\nname = "b0"\nurl = "{sim.url}"\n', name=name,
                    workers=None)
 
@@ -118,7 +121,7 @@ def test_a_batch_runs_to_its_output_with_each_custom_id_once(tmp_path: Path, sim
 
 def test_bad_files_and_other_keys_and_hostile_ids_are_refused(tmp_path: Path,
                                                              sim: Sim) -> None:
-    gw = gateway(tmp_path, sim, extra="max_file_bytes = 100000\n")
+    gw = gateway(tmp_path, sim, extra="max_file_bytes = 100000\n", front="body_timeout = 1\n")
     try:
         sdk, other = client(gw), client(gw, "sk-bob-key")
         bad = jsonl(2) + b'{"custom_id": "line-0", "method": "POST", "url": ' \
@@ -150,6 +153,23 @@ def test_bad_files_and_other_keys_and_hostile_ids_are_refused(tmp_path: Path,
                                headers={"authorization": "Bearer sk-alice-key"})
             assert answer.status_code == 404, (hostile, answer.text)
             assert b"root:" not in answer.content
+        auth = {"authorization": "Bearer sk-alice-key"}
+        for body, headers, says in (
+                (b'{"purpose": "batch"}', {"content-type": "application/json"}, "invalid_form"),
+                (b"--x\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch"
+                 b"\r\n--x--\r\n", {"content-type": "multipart/form-data; boundary=x"},
+                 "missing_file"),
+                (b"--x\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a\"\r\n"
+                 b"\r\n" + jsonl(1) + b"\r\n--x--\r\n",
+                 {"content-type": "multipart/form-data; boundary=x"}, "invalid_purpose")):
+            answer = httpx.post(gw.url + "/v1/files", content=body, headers={**auth, **headers})
+            assert (answer.status_code, answer.json()["error"]["code"]) == (400, says)
+        with socket.create_connection(("127.0.0.1", gw.port)) as slow:  # sends, then stalls
+            slow.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         b"sk-alice-key\r\nContent-Type: multipart/form-data; boundary=x\r\n"
+                         b"Content-Length: 5000\r\n\r\n--x\r\nContent-Disposition: form-data;")
+            slow.settimeout(10)
+            assert slow.recv(4096).startswith(b"HTTP/1.1 408 ")
         assert sorted(p.name for p in (tmp_path / "batch").iterdir()) == [mine.id]
         assert httpx.get(gw.url + "/v1/files").status_code == 401
     finally:
