@@ -228,6 +228,8 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     batch = batch_service.make(
         config.batch, config.redis.data_dir, config.gateway.body_timeout, link, serving.proxy,
         pool, serving.queue, keyring, metrics) if serving is not None else None
+    if batch is not None:
+        operators.ops.batches = batch.api.running
     return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
                  control, keyring, ledger, demand, batch)

@@ -84,6 +84,17 @@ class BatchApi:
             return response
         return guarded
 
+    async def running(self) -> list[dict[str, Any]]:
+        """The batches not yet ended, for the status page: progress and owner (a key's
+        name, never the key); empty when Redis can't answer."""
+        try:
+            records = await self._store.open_records()
+        except StoreUnavailable:
+            return []
+        return [{"id": r["id"], "key": r["_owner"], "status": r["status"],
+                 "endpoint": r["endpoint"], "created_at": r["created_at"],
+                 "expires_at": r["expires_at"], **r["request_counts"]} for r in records]
+
     # Files.
     async def _upload(self, request: Request) -> Response:
         limit = self._settings.max_file_bytes

@@ -120,6 +120,13 @@ class Store:
         (ids,) = await self._run(("SMEMBERS", key))
         return sorted(i.decode() if isinstance(i, bytes) else i for i in ids)
 
+    async def open_records(self) -> list[dict[str, Any]]:
+        """The records of the batches not yet ended, oldest first."""
+        ids = await self.open_batches()
+        found = await self._run(*(("GET", f"{self._p}b:{i}") for i in ids)) if ids else []
+        records = [orjson.loads(raw) for raw in found if raw is not None]
+        return sorted(records, key=lambda r: r["created_at"])
+
     async def cancel(self, record: dict[str, Any]) -> None:
         """Mark the batch cancelled for the runner (which may be writing its record)."""
         await self._run(("SET", f"{self._p}cancel:{record['id']}", 1),

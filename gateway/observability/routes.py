@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from starlette.requests import Request
@@ -69,6 +70,8 @@ class OpsRoutes:
         self._public = public
         self._about = about or About(started=time.time())
         self._page = PAGE.read_text(encoding="utf-8")
+        # The batches not yet ended (set by gateway.build where the batch API runs).
+        self.batches: Callable[[], Awaitable[list[dict[str, Any]]]] | None = None
 
     def routes(self) -> list[Route]:
         private = self._guard
@@ -101,7 +104,9 @@ class OpsRoutes:
         return HTMLResponse(self._page, headers={"cache-control": "no-store"})
 
     async def dashboard_data(self, request: Request) -> Response:
-        return JSONResponse({"gateway": self._about.data(time.time()), **self._status.data()})
+        batches = await self.batches() if self.batches is not None else []
+        return JSONResponse({"gateway": self._about.data(time.time()), **self._status.data(),
+                             "batches": batches})
 
     async def refresh(self, every: float = 1.0) -> None:
         """Keep the gauges fresh (in multiprocess mode, other workers' come from here), and

@@ -187,12 +187,17 @@ def test_a_cancelled_batch_stops_dispatching_and_ends_cancelled(tmp_path: Path) 
         wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 2, 30,
                  "some lines done", every=0.2)
         assert metric(gw.url, "gateway_batch_lines_queued") > 100
+        shown = httpx.get(gw.url + "/dashboard/data").json()["batches"]  # the status page's
+        assert [(b["id"], b["key"], b["status"], b["total"]) for b in shown] == [
+            (batch.id, "alice", "in_progress", 200)]
+        assert 0 < shown[0]["completed"] < 200
         assert metric(gw.url, "gateway_batch_lines_in_flight") <= 2
         assert sdk.batches.cancel(batch.id).status == "cancelling"
         done = ended(sdk, batch.id)
         assert done.status == "cancelled"
         assert metric(gw.url, "gateway_batch_lines_queued") == 0
         assert metric(gw.url, "gateway_batches_total", status="cancelled") == 1
+        assert httpx.get(gw.url + "/dashboard/data").json()["batches"] == []
         assert done.request_counts.completed < 200
         assert len(rows(sdk, done.output_file_id)) == done.request_counts.completed
         with pytest.raises(openai.APIStatusError) as again:
