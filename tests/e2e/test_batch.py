@@ -64,6 +64,13 @@ def ended(sdk: openai.OpenAI, batch_id: str, within: float = 30) -> Any:
     return found[0]
 
 
+def submit(sdk: openai.OpenAI, source: bytes, window: str = "24h") -> Any:
+    """The file uploaded and a batch of it created."""
+    uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(source)), purpose="batch")
+    return sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                              completion_window=window)  # type: ignore[arg-type]
+
+
 def totals(gw: Gateway) -> dict[str, int]:
     keys = httpx.get(gw.url + "/admin/keys").json()["keys"]
     return next(k["totals"] for k in keys if k["name"] == "alice")
@@ -181,9 +188,7 @@ def test_a_cancelled_batch_stops_dispatching_and_ends_cancelled(tmp_path: Path) 
     gw = gateway(tmp_path, slow, extra="concurrency = 2\n")
     try:
         sdk = client(gw)
-        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(200))), purpose="batch")
-        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                   completion_window="24h")
+        batch = submit(sdk, jsonl(200))
         wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 2, 30,
                  "some lines done", every=0.2)
         assert metric(gw.url, "gateway_batch_lines_queued") > 100
@@ -213,9 +218,7 @@ def test_a_batch_past_its_window_ends_expired_with_what_finished(tmp_path: Path)
     gw = gateway(tmp_path, slow, extra="concurrency = 1\n")
     try:
         sdk = client(gw)
-        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(100))), purpose="batch")
-        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                   completion_window="3s")
+        batch = submit(sdk, jsonl(100), window="3s")
         assert batch.expires_at == batch.created_at + 3
         done = ended(sdk, batch.id)
         assert done.status == "expired" and done.expired_at is not None
@@ -232,9 +235,7 @@ def test_a_batch_resumes_after_its_gateway_is_killed_and_writes_each_line_once(
     gw = gateway(tmp_path, slow, extra="concurrency = 4\n")
     try:
         sdk = client(gw)
-        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(300))), purpose="batch")
-        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                   completion_window="24h")
+        batch = submit(sdk, jsonl(300))
         out = tmp_path / "batch" / f"{batch.id}.output.jsonl"
         wait_for(lambda: out.exists() and out.stat().st_size > 2000, 30, "lines written",
                  every=0.05)
@@ -265,9 +266,7 @@ def test_another_replica_takes_the_batch_over_when_its_runner_dies(tmp_path: Pat
     replicas = [Gateway(tmp_path, shared, name=f"r{i}", workers=None) for i in range(2)]
     try:
         sdk = openai.OpenAI(base_url=replicas[0].url + "/v1", api_key="x", max_retries=0)
-        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(300))), purpose="batch")
-        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                   completion_window="24h")
+        batch = submit(sdk, jsonl(300))
         out = tmp_path / "batch" / f"{batch.id}.output.jsonl"
         wait_for(lambda: out.exists() and out.stat().st_size > 2000, 30, "lines written",
                  every=0.05)
@@ -303,9 +302,7 @@ def test_interactive_requests_go_before_batch_lines(tmp_path: Path) -> None:
                  name="cap", workers=1)
     try:
         sdk, bob = client(gw), client(gw, "sk-bob-key")
-        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(30))), purpose="batch")
-        batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                   completion_window="24h")
+        batch = submit(sdk, jsonl(30))
         wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed >= 2, 30,
                  "the batch flowing", every=0.05)
         with ThreadPoolExecutor(6) as pool:
