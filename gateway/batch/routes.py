@@ -6,6 +6,7 @@ Every record belongs to the key that made it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -27,8 +28,11 @@ from gateway.http.auth import TENANT
 from gateway.http.form import is_form
 from gateway.tenants.keyring import ANONYMOUS
 
+log = logging.getLogger("gateway.batch")
+
 SLACK = 64 * 1024  # bytes of multipart framing allowed beyond the file itself
 MAX_METADATA = 16  # pairs, as OpenAI
+MAX_CREATE = 64 * 1024  # bytes of a POST /v1/batches body
 
 
 class TooLarge(Exception):
@@ -133,6 +137,10 @@ class BatchApi:
                 _copy_checked, upload, final, self._settings.max_lines)
         except batch_lines.BadLine as exc:
             return _error(400, f"The file is not a batch input: {exc}", "invalid_file", "file")
+        except OSError as exc:  # a full or unwritable directory: said in the log only
+            log.error("upload %s not stored: %s", file_id, exc)
+            return _error(500, "The file could not be stored; try again later.",
+                          "storage_error", kind="server_error")
         if await self._store.stored_bytes(owner, size) > self._settings.max_stored_bytes:
             await self._store.stored_bytes(owner, -size)
             await self._store.unlink(file_id)
@@ -154,26 +162,33 @@ class BatchApi:
 
     async def _content(self, request: Request) -> Response:
         record = await self._store.get("f", _id(request), _owner(request))
-        if record is None:
+        path = self._store.path(record.get("_name", record["id"])) if record else None
+        if path is None or not await asyncio.to_thread(path.is_file):
             return _missing("File", request)
-        return FileResponse(self._store.path(record.get("_name", record["id"])),
-                            media_type="application/jsonl")
+        return FileResponse(path, media_type="application/jsonl")
 
     async def _delete(self, request: Request) -> Response:
         record = await self._store.get("f", _id(request), _owner(request))
         if record is None:
             return _missing("File", request)
-        await self._store.remove("f", record)
-        await self._store.stored_bytes(record["_owner"], -record["bytes"])
-        await self._store.unlink(record.get("_name", record["id"]))
+        if await self._store.remove("f", record):  # the one call that removed it
+            await self._store.stored_bytes(record["_owner"], -record["bytes"])
+            await self._store.unlink(record.get("_name", record["id"]))
         return JSONResponse({"id": record["id"], "object": "file", "deleted": True})
 
     # Batches.
     async def _create(self, request: Request) -> Response:
+        request._receive = _counted(request.receive, MAX_CREATE, self._idle)
         try:
             asked = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
             return _error(400, "The body must be a JSON object.", "invalid_json")
+        except TooLarge:
+            return _error(413, f"A batch's request holds at most {MAX_CREATE} bytes.",
+                          "body_too_large")
+        except Stalled:
+            return _error(408, f"The request sent nothing for {self._idle:g} s.",
+                          "request_timeout")
         if not isinstance(asked, dict):
             return _error(400, "The body must be a JSON object.", "invalid_json")
         owner = _owner(request)
@@ -241,7 +256,8 @@ class BatchApi:
                           "batch_ended")
         if record["status"] != "cancelling":
             record.update(status="cancelling", cancelling_at=now())
-            await self._store.cancel(record)
+            if not await self._store.cancel(record):  # it ended meanwhile
+                return await self._cancel(request)
         return JSONResponse(shown(record))
 
     async def _listed(self, request: Request, kind: str) -> Response:

@@ -16,10 +16,10 @@ is written once."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,13 +27,12 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message
 
-from gateway.batch import lines as batch_lines
+from gateway.batch import results
 from gateway.batch.lines import Line
 from gateway.batch.share import Share
 from gateway.batch.store import Store, StoreUnavailable, new_id, now
 from gateway.http.auth import TENANT
 from gateway.metrics import Metrics
-from gateway.routing.policies.prefix import prompt_head
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import WaitQueue
 from gateway.tenants.keyring import Tenant
@@ -41,10 +40,12 @@ from gateway.types import BATCH_BAND
 
 log = logging.getLogger("gateway.batch")
 
-LEASE = 15.0  # seconds the runner's lease lasts unrenewed
+LEASE = 5.0  # seconds the runner's lease lasts unrenewed (renewed each TICK)
 TICK = 1.0  # seconds between the runner's looks (lease, new batches, cancels, counts)
 GATE = 0.02  # seconds between looks for idle capacity while lines wait
 ENDED = ("completed", "failed", "expired", "cancelled")
+RETRIED = (429, 502, 503, 504)  # "not now": a line so answered is sent again, up to RETRIES
+RETRIES = 4  # times, 1, 2, 4 and 8 s apart
 WINDOW = re.compile(r"(\d{1,6})([smh])")
 
 
@@ -69,18 +70,28 @@ class Runner:
         self.share = Share(concurrency)
         self._me = new_id("runner-")
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._until = 0.0  # monotonic time the lease surely holds until (renewed before)
+
+    @property
+    def leads(self) -> bool:
+        """The lease surely still ours: a result is written only then (a process paused
+        past its lease finds another runner took over, and writes nothing)."""
+        return time.monotonic() < self._until
 
     async def run(self) -> None:
-        """Hold the lease (or wait for it) and run the open batches while holding it."""
+        """Hold the lease (or wait for it) and run the open batches while holding it; a
+        Redis error keeps the batches running until the lease would have lapsed."""
         led = False
         try:
             while True:
+                asked = time.monotonic()
                 try:
                     leading = await self._store.lead(self._me, LEASE)
                     if leading:
+                        self._until = asked + LEASE - TICK
                         await self._start_open()
                 except StoreUnavailable:
-                    leading = False
+                    leading = self.leads
                 if leading != led:
                     log.info("batch runner %s: %s", self._me,
                              "this process runs the batches" if leading else "lease lost")
@@ -119,11 +130,18 @@ class Runner:
             log.exception("batch %s: the runner failed; it resumes later", batch_id)
 
     async def slot(self) -> None:
-        """One of the ``concurrency`` places for a line (``free`` gives it back)."""
+        """One of the ``concurrency`` places for a line (``free`` gives it back before
+        ``ready``, ``release`` after)."""
         await self._slots.acquire()
 
     def free(self) -> None:
         self._slots.release()
+
+    def release(self, _: object = None) -> None:
+        """A line's place given back (its task ended, however): the slot, and its place in
+        the band's share that ``ready`` took."""
+        self._slots.release()
+        self.share.in_flight -= 1
 
     async def ready(self, model: object, stop: asyncio.Event) -> bool:
         """Until there is idle capacity for a line of ``model`` (True: its place in the
@@ -145,7 +163,6 @@ class Runner:
         try:
             return await self._call(owner, line)
         finally:
-            self.share.in_flight -= 1
             self.metrics.batch_in_flight.dec()
 
     def _room(self, model: str) -> bool:
@@ -213,10 +230,10 @@ class Batch:
         if record["status"] == "validating":
             record.update(status="in_progress", in_progress_at=now())
             await self._save()
-        done, failed = await asyncio.to_thread(_finished, self._out, self._err)
+        done, failed = await asyncio.to_thread(results.finished, self._out, self._err)
         source = self._store.path(record["input_file_id"])
         try:
-            todo = await asyncio.to_thread(_todo, source, done)
+            todo = await asyncio.to_thread(results.todo, source, done)
         except FileNotFoundError:  # deleted since
             record.update(status="failed", failed_at=now(), errors={"object": "list", "data": [
                 {"code": "input_file_missing", "message": "The input file was deleted.",
@@ -226,6 +243,8 @@ class Batch:
             return
         counts = record["request_counts"]  # as the files say (a kill loses the last save)
         counts.update(completed=len(done) - failed, failed=failed)
+        if await self._store.cancelled(self.id) or now() >= record["expires_at"]:
+            self._stop.set()  # cancelled or expired before this run: no line is sent
         watch = asyncio.create_task(self._watch())
         queued = self._runner.metrics.batch_queued
         queued.inc(len(todo))
@@ -243,22 +262,26 @@ class Batch:
                     if not ready:
                         self._runner.free()
                         break
-                    group.create_task(self._line(line, counts))
+                    task = group.create_task(self._line(line, counts))
+                    task.add_done_callback(self._runner.release)
         finally:
             watch.cancel()
             queued.dec(len(todo) - self._sent)
         await self._finish()
 
     async def _line(self, line: Line, counts: dict[str, int]) -> None:
-        try:
-            await self._done(line, counts)
-        finally:
-            self._runner.free()
+        await self._done(line, counts)
 
     async def _done(self, line: Line, counts: dict[str, int]) -> None:
         self._sent += 1
         self._runner.metrics.batch_queued.dec()
-        status, body, rid = await self._runner.send(self.record["_owner"], line)
+        for attempt in range(RETRIES + 1):  # "not now" (shed, no backend up) is not an answer
+            status, body, rid = await self._runner.send(self.record["_owner"], line)
+            if status not in RETRIED or attempt == RETRIES or self._stop.is_set():
+                break
+            await asyncio.sleep(2 ** attempt)
+        if not self._runner.leads:
+            return  # another runner may run the batch now: it sends this line again
         ok = 200 <= status < 300
         try:
             answer: Any = orjson.loads(body)
@@ -268,15 +291,20 @@ class Batch:
                             "response": {"status_code": status, "request_id": rid,
                                          "body": answer},
                             "error": None}) + b"\n"
-        await asyncio.to_thread(_append, self._out if ok else self._err, row)
+        await asyncio.to_thread(results.append, self._out if ok else self._err, row)
         counts["completed" if ok else "failed"] += 1
         self._runner.metrics.batch_lines.labels("completed" if ok else "failed").inc()
 
     async def _watch(self) -> None:
-        """Every ``TICK``: the counts saved, a cancel or the window's end noticed."""
+        """Every ``TICK``: the counts saved, a cancel or the window's end noticed (a Redis
+        error skips a tick; the lease decides whether the batch goes on)."""
         while True:
             await asyncio.sleep(TICK)
-            if not await self._save() or now() >= self.record["expires_at"]:
+            try:
+                saved = not self._runner.leads or await self._save()
+            except StoreUnavailable:
+                continue
+            if not saved or now() >= self.record["expires_at"]:
                 self._stop.set()
 
     async def _save(self) -> bool:
@@ -287,7 +315,12 @@ class Batch:
         return True
 
     async def _finish(self) -> None:
+        if not self._runner.leads:
+            return  # another runner finishes it
         record = self.record
+        stored = await self._store.get("b", self.id, None)
+        if stored is not None and stored.get("cancelling_at"):
+            record["cancelling_at"] = stored["cancelling_at"]
         cancelled = await self._store.cancelled(self.id) or record["status"] == "cancelling"
         if cancelled:
             status = "cancelled"
@@ -306,9 +339,10 @@ class Batch:
         log.info("batch %s %s: %s", self.id, status, record["request_counts"])
 
     async def _register(self, path: Path) -> str | None:
-        size = await asyncio.to_thread(_size, path)
+        size = await asyncio.to_thread(results.size, path)
         if not size:
             return None
+        await self._store.stored_bytes(self.record["_owner"], size)  # the key's, as uploads
         file_id = new_id("file-")
         await self._store.put("f", {
             "id": file_id, "object": "file", "bytes": size, "created_at": now(),
@@ -317,47 +351,3 @@ class Batch:
             "_owner": self.record["_owner"], "_name": path.name}, new=True)
         return file_id
 
-
-def _finished(out: Path, errors: Path) -> tuple[set[str], int]:
-    """The custom_ids with a result written (a last line cut by a kill is removed), and
-    how many of them failed."""
-    done: set[str] = set()
-    failed = 0
-    for path in (out, errors):
-        try:
-            with open(path, "rb+") as f:
-                data = f.read()
-                end = data.rfind(b"\n") + 1
-                if end < len(data):
-                    f.truncate(end)
-        except FileNotFoundError:
-            continue
-        before = len(done)
-        for raw in data[:end].splitlines():
-            with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
-                done.add(orjson.loads(raw)["custom_id"])
-        if path is errors:
-            failed = len(done) - before
-    return done, failed
-
-
-def _todo(source: Path, done: set[str]) -> list[Line]:
-    with open(source, "rb") as f:
-        todo = [line for line in batch_lines.read(f) if line.custom_id not in done]
-    todo.sort(key=lambda line: prompt_head(line.body, 512))
-    return todo
-
-
-def _append(path: Path, row: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, row)
-    finally:
-        os.close(fd)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0

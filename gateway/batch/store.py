@@ -26,6 +26,11 @@ RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
          "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
 SAVE = ("if redis.call('exists', KEYS[2]) == 1 then return 0 end "
         "redis.call('set', KEYS[1], ARGV[1]) return 1")
+CANCEL = ("local raw = redis.call('get', KEYS[1]) if not raw then return 0 end "
+          "local status = cjson.decode(raw)['status'] "
+          "if status == 'completed' or status == 'failed' or status == 'expired' "
+          "or status == 'cancelled' then return 0 end "
+          "redis.call('set', KEYS[2], 1) redis.call('set', KEYS[1], ARGV[1]) return 1")
 PRIVATE = "_"  # a record's fields that start with it are never shown to a client
 
 
@@ -95,9 +100,12 @@ class Store:
         records = [orjson.loads(raw) for raw in found if raw is not None]
         return records, len(names) > limit
 
-    async def remove(self, kind: str, record: dict[str, Any]) -> None:
-        await self._run(("DEL", f"{self._p}{kind}:{record['id']}"),
-                        ("ZREM", f"{self._p}{kind}o:{record['_owner']}", record["id"]))
+    async def remove(self, kind: str, record: dict[str, Any]) -> bool:
+        """False when another call removed it first."""
+        removed, _ = await self._run(("DEL", f"{self._p}{kind}:{record['id']}"),
+                                     ("ZREM", f"{self._p}{kind}o:{record['_owner']}",
+                                      record["id"]))
+        return bool(removed)
 
     async def count(self, kind: str, owner: str) -> int:
         (n,) = await self._run(("ZCARD", f"{self._p}{kind}o:{owner}"))
@@ -127,10 +135,13 @@ class Store:
         records = [orjson.loads(raw) for raw in found if raw is not None]
         return sorted(records, key=lambda r: r["created_at"])
 
-    async def cancel(self, record: dict[str, Any]) -> None:
-        """Mark the batch cancelled for the runner (which may be writing its record)."""
-        await self._run(("SET", f"{self._p}cancel:{record['id']}", 1),
-                        ("SET", f"{self._p}b:{record['id']}", orjson.dumps(record)))
+    async def cancel(self, record: dict[str, Any]) -> bool:
+        """Mark the batch cancelled for the runner (which may be writing its record), unless
+        it ended meanwhile (False)."""
+        rid = record["id"]
+        (done,) = await self._run(("EVAL", CANCEL, 2, f"{self._p}b:{rid}",
+                                   f"{self._p}cancel:{rid}", orjson.dumps(record)))
+        return bool(done == 1)
 
     async def cancelled(self, batch_id: str) -> bool:
         (n,) = await self._run(("EXISTS", f"{self._p}cancel:{batch_id}"))
