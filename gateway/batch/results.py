@@ -1,11 +1,13 @@
 """A batch's files on disk, read and written in worker threads (never on the event loop):
 the results written so far (a last line cut by a kill is removed), the lines still to
-send (sorted by prompt head), one result appended in one ``write``."""
+send (their places in the input, sorted by prompt head) and each one read again when it
+is sent, one result appended in one ``write``."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -40,11 +42,39 @@ def finished(out: Path, errors: Path) -> tuple[set[str], int]:
     return done, failed
 
 
-def todo(source: Path, done: set[str]) -> list[Line]:
+@dataclass(frozen=True, slots=True)
+class Todo:
+    """A line still to send, by where it is in the input file (its body is read again
+    when it is sent, so a batch's lines are not all held in memory)."""
+
+    offset: int
+    size: int
+    head: bytes  # the start of its prompt: lines that share it are sent together
+
+
+HEAD = 128  # characters of a prompt's start that order the lines
+
+
+def todo(source: Path, done: set[str]) -> list[Todo]:
+    """The lines of ``source`` without a result, ordered by the start of their prompt."""
+    out: list[Todo] = []
     with open(source, "rb") as f:
-        todo = [line for line in batch_lines.read(f) if line.custom_id not in done]
-    todo.sort(key=lambda line: prompt_head(line.body, 512))
-    return todo
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            if raw.strip():
+                line = batch_lines.parse(number, raw)
+                if line.custom_id not in done:
+                    out.append(Todo(offset, len(raw), prompt_head(line.body, HEAD)))
+            offset += len(raw)
+    out.sort(key=lambda item: item.head)
+    return out
+
+
+def load(source: Path, item: Todo) -> Line:
+    """The line ``item`` stands for, read again from ``source``."""
+    with open(source, "rb") as f:
+        f.seek(item.offset)
+        return batch_lines.parse(0, f.read(item.size))
 
 
 def append(path: Path, row: bytes) -> None:

@@ -250,9 +250,10 @@ class Batch:
         queued.inc(len(todo))
         try:
             async with asyncio.TaskGroup() as group:
-                for line in todo:
+                for item in todo:
                     if self._stop.is_set():
                         break
+                    line = await asyncio.to_thread(results.load, source, item)
                     await self._runner.slot()
                     try:
                         ready = await self._runner.ready(line.body.get("model"), self._stop)
