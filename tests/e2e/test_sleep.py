@@ -55,8 +55,12 @@ def test_an_idle_instance_sleeps_and_the_next_requests_wake_it_once(
     try:
         wait_for(lambda: http_ok(gw.url + "/v1/models"), 30, "instance ready")
         first = answer(gw)
-        wait_for(lambda: status(gw)["s"]["state"] == "asleep", 20, "asleep after 1 s idle")
-        assert is_sleeping(port) and status(gw)["s"]["sleep_level"] == level
+        # Each worker shows the control process's states after its next sync: four reads in a
+        # row (new connections, any worker) that agree.
+        wait_for(lambda: all((s := status(gw)["s"])["state"] == "asleep"
+                             and s["sleep_level"] == level for _ in range(4)), 20,
+                 "asleep after 1 s idle, in every worker's view")
+        assert is_sleeping(port)
         pid = status(gw)["s"]["pid"]
         models = httpx.get(gw.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["sim-model"]  # a sleeping model is still listed
