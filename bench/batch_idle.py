@@ -20,7 +20,6 @@ import asyncio
 import io
 import json
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,14 +31,10 @@ import openai
 import orjson
 
 from bench.common import free_port, metric, start, stop, wait_http
+from bench.loadgen import percentiles
 
 CAPACITY = 8  # per simulator
 TTFT, ITL, TOKENS = 0.1, 0.01, 16  # each request holds a place TTFT + (TOKENS - 1) x ITL
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000 if ordered else -1
 
 
 async def interactive(url: str, rate: float, seconds: float) -> list[float]:
@@ -127,19 +122,18 @@ def run(work: Path, seconds: float, share: float, lines: int,
         window = time.monotonic() - began
         client.batches.cancel(batch.id)
         idle = throughput - rate
+        a, b = percentiles(alone), percentiles(beside)
         return {
             "concurrency": concurrency or "default", "capacity_rps": round(throughput, 1),
-            "interactive_rps": round(rate, 1),
-            "seconds": seconds, "lines": lines,
-            "alone": {"n": len(alone), "ttft_p50_ms": round(pct(alone, 0.5), 1),
-                      "ttft_p99_ms": round(pct(alone, 0.99), 1)},
-            "with_batch": {"n": len(beside), "ttft_p50_ms": round(pct(beside, 0.5), 1),
-                           "ttft_p99_ms": round(pct(beside, 0.99), 1)},
+            "interactive_rps": round(rate, 1), "seconds": seconds, "lines": lines,
+            "alone": {"n": len(alone), "ttft_p50_ms": round(a["p50"], 1),
+                      "ttft_p99_ms": round(a["p99"], 1)},
+            "with_batch": {"n": len(beside), "ttft_p50_ms": round(b["p50"], 1),
+                           "ttft_p99_ms": round(b["p99"], 1)},
             "batch_lines_per_s": round(done / window, 1),
             "idle_capacity_rps": round(idle, 1),
             "batch_share_of_idle": round(done / window / idle, 3),
-            "mean_ttft_ms": {"alone": round(statistics.mean(alone) * 1000, 1),
-                             "with_batch": round(statistics.mean(beside) * 1000, 1)}}
+            "mean_ttft_ms": {"alone": round(a["mean"], 1), "with_batch": round(b["mean"], 1)}}
     finally:
         for p in procs:
             stop(p)
