@@ -177,6 +177,21 @@ def test_bad_files_and_other_keys_and_hostile_ids_are_refused(tmp_path: Path,
                          b"Content-Length: 5000\r\n\r\n--x\r\nContent-Disposition: form-data;")
             slow.settimeout(10)
             assert slow.recv(4096).startswith(b"HTTP/1.1 408 ")
+        for body, status, code in ((b"{not json", 400, "invalid_json"),
+                                   (b"[1]", 400, "invalid_json"),
+                                   (b'{"metadata": "' + b"x" * 70_000 + b'"}', 413,
+                                    "body_too_large"),
+                                   (b'{"input_file_id": "../../etc/passwd", "endpoint": '
+                                    b'"/v1/chat/completions", "completion_window": "24h"}',
+                                    400, "invalid_input_file"),
+                                   (b'{"input_file_id": "x", "endpoint": "/admin/reload", '
+                                    b'"completion_window": "24h"}', 400, "invalid_endpoint"),
+                                   (b'{"input_file_id": "x", "endpoint": "/v1/embeddings", '
+                                    b'"completion_window": "forever"}', 400,
+                                    "invalid_completion_window")):
+            answer = httpx.post(gw.url + "/v1/batches", content=body,
+                                headers={**auth, "content-type": "application/json"})
+            assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
         assert sorted(p.name for p in (tmp_path / "batch").iterdir()) == [mine.id]
         assert httpx.get(gw.url + "/v1/files").status_code == 401
     finally:
