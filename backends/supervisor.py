@@ -144,6 +144,11 @@ class Supervisor:
             self._run(), name=f"supervise {self.backend.name}")
         return True
 
+    @property
+    def sequential(self) -> bool:
+        """Instances start one after another (``supervisor.sequential_start``)."""
+        return self._settings.sequential_start
+
     def waits_for_demand(self) -> bool:
         """True for an instance with ``start = "on_demand"``, marked stopped instead of
         started (at boot or when a reload adds it): its model's first request starts it."""

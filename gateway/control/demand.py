@@ -35,8 +35,8 @@ from gateway.routing.pool import BackendPool
 
 log = logging.getLogger("gateway.demand")
 
-UP = (BackendState.READY, BackendState.STARTING, BackendState.UNHEALTHY,
-      BackendState.WAKING, BackendState.VERIFYING)
+# Up or coming: its model starts no other. An unhealthy one is neither (requests wait).
+UP = (BackendState.READY, BackendState.STARTING, BackendState.WAKING, BackendState.VERIFYING)
 IDLE = (BackendState.READY, BackendState.ASLEEP)  # states whose idle time counts
 COMING = ("wake", "start")  # jobs that bring an instance up
 COMING_STATES = (BackendState.STARTING, BackendState.WAKING, BackendState.VERIFYING)
@@ -69,6 +69,7 @@ class Demand:
         for backend in self._pool.backends:
             if backend.transitions is None:
                 backend.transitions = self._changed
+        self._forget_removed()
         for model in sorted(self._wanted()):
             self._start_one(model)
         now, uses = self._clock(), self._uses()
@@ -115,11 +116,15 @@ class Demand:
                 return
 
     def _neighbour_coming(self, backend: Backend) -> bool:
-        """Another instance on one of its GPUs is starting or waking: one at a time, so
-        that each sees the memory the other took (vLLM's start-up check needs it too)."""
+        """Another instance on one of its GPUs (on any, with ``sequential_start``) is
+        starting or waking: one at a time, so that each sees the memory the other took
+        (vLLM's start-up check needs it too)."""
         gpus = set(backend.spec.spawn.gpus if backend.spec.spawn is not None else ())
-        return bool(gpus) and any(
-            b is not backend and b.spec.spawn is not None and gpus & set(b.spec.spawn.gpus)
+        supervisor = self._supervisors.get(backend.name)
+        in_turn = supervisor is not None and supervisor.sequential
+        return (bool(gpus) or in_turn) and any(
+            b is not backend and b.spec.spawn is not None
+            and (in_turn or gpus & set(b.spec.spawn.gpus))
             and (b.state in COMING_STATES or self._doing.get(b.name) in COMING)
             for b in self._pool.backends)
 
@@ -129,9 +134,21 @@ class Demand:
         wanted = self._wanted()
         return [b for b in to_make_room(self._pool.backends, backend,
                                         lambda b: self._active.get(b.name, 0.0))
-                if b.name not in self._busy
-                and not any(self._pool.names.client(b.spec.group, m) in wanted
-                            for m in b.models)]
+                if b.name not in self._busy and not self._asked_for(b, wanted)]
+
+    def _asked_for(self, backend: Backend, wanted: set[str] | None = None) -> bool:
+        """Requests wait for one of ``backend``'s models (as clients name them)."""
+        wanted = self._wanted() if wanted is None else wanted
+        return any(backend in self._pool.demanded(model) for model in wanted)
+
+    def _forget_removed(self) -> None:
+        """What is kept per backend goes with a backend that a reload removed."""
+        names = {b.name for b in self._pool.backends}
+        if names.issuperset(self._active) and names.issuperset(self._answers):
+            return
+        for kept in (self._seen, self._active, self._answers):
+            for name in set(kept) - names:
+                del kept[name]
 
     async def _make_room(self, backend: Backend) -> None:
         jobs = []
@@ -188,9 +205,28 @@ class Demand:
             return
         log.info("backend %s: no request for %.0f s; stopped until its model is asked for",
                  backend.name, idle)
-        self.stops += 1
         self._active.pop(backend.name, None)
-        self._begin(backend, supervisor.drain_and_stop(), "idle stop")
+        self._begin(backend, self._idle_stop(backend, supervisor), "idle stop")
+
+    async def _idle_stop(self, backend: Backend, supervisor: Supervisor) -> None:
+        if not await supervisor.drained() or backend.state is not BackendState.DRAINING:
+            if backend.state is BackendState.DRAINING:
+                backend.mark_ready()  # requests still running: not now
+            return
+        if self._called_off(backend):
+            return
+        self.stops += 1
+        await supervisor.stop()
+
+    def _called_off(self, backend: Backend) -> bool:
+        """Drained for idleness, but a request for its model came meanwhile (it waits):
+        back in rotation rather than stopped or put to sleep and then started again."""
+        if not self._asked_for(backend):
+            return False
+        log.info("backend %s: asked for while it drained; it stays up", backend.name)
+        backend.mark_ready()
+        self._active[backend.name] = self._clock()
+        return True
 
     async def _sleep(self, backend: Backend, level: int, idle: float) -> None:
         supervisor = self._supervisors.get(backend.name)
@@ -200,6 +236,8 @@ class Demand:
             return
         if backend.state is not BackendState.DRAINING:
             return  # stopped or restarted meanwhile (an operator): theirs to say
+        if idle and self._called_off(backend):
+            return
         await self._remember(backend)
         log.info("backend %s: idle for %.0f s; put to sleep (level %d)",
                  backend.name, idle, level)

@@ -28,8 +28,9 @@ class Clock:
 class FakeSupervisor:
     """Starts and stops at once: the backend is ready when started, stopped when stopped."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, sequential: bool = False) -> None:
         self.backend = backend
+        self.sequential = sequential
         self.started = self.stopped = 0
 
     def start(self) -> bool:
@@ -45,6 +46,10 @@ class FakeSupervisor:
     async def drained(self) -> bool:
         self.backend.drain()
         return True
+
+    async def stop(self) -> None:
+        self.stopped += 1
+        self.backend.stop()
 
     async def restart(self) -> None:
         self.restarted = getattr(self, "restarted", 0) + 1
@@ -370,4 +375,83 @@ def test_one_instance_at_a_time_starts_or_wakes_on_a_gpu() -> None:
         d.look()
         assert supervisors["b"].started == 1  # then b, once a is up
         assert d.counts()["checks"] == [["a", "unchecked", 1]]
+    asyncio.run(test())
+
+
+def test_an_idle_stop_is_called_off_when_a_request_comes_during_its_drain() -> None:
+    class AskedMeanwhile(FakeSupervisor):
+        async def drained(self) -> bool:
+            self.backend.drain()
+            asked.add("m")  # a request came while it drained: it waits for "m"
+            return True
+
+    async def test() -> None:
+        d.look()
+        clock.now = 31
+        d.look()
+        await settled()
+        assert idle.state is BackendState.READY and supervisor.stopped == 0 and d.stops == 0
+        assert supervisor.started == 0  # no cold start either
+        asked.clear()
+        clock.now = 40
+        d.look()
+        await settled()
+        assert idle.state is BackendState.READY  # its idle time began again at 31
+
+    idle = spawned("idle", stop_after=30)
+    idle.mark_ready()
+    d, _, clock, asked = demand(idle)
+    supervisor = AskedMeanwhile(idle)
+    d._supervisors = {"idle": supervisor}  # type: ignore[dict-item]
+    asyncio.run(test())
+
+
+def test_an_idle_sleep_is_called_off_when_a_request_comes_during_its_drain() -> None:
+    class AskedMeanwhile(FakeSupervisor):
+        async def drained(self) -> bool:
+            self.backend.drain()
+            asked.add("m")
+            return True
+
+    async def test() -> None:
+        d.look()
+        clock.now = 11
+        d.look()
+        await settled()
+        assert sleepy.state is BackendState.READY and sleeper.calls == []
+
+    sleepy = spawned("s", sleep_after=10)
+    sleepy.mark_ready()
+    sleeper = FakeSleeper("first")
+    d, _, clock, asked = demand(sleepy, sleeper=sleeper)
+    d._supervisors = {"s": AskedMeanwhile(sleepy)}  # type: ignore[dict-item]
+    asyncio.run(test())
+
+
+def test_with_sequential_start_one_instance_starts_at_a_time_whatever_its_gpus() -> None:
+    async def test() -> None:
+        a = spawned("a", model="ma", start="on_demand")
+        b = spawned("b", model="mb", start="on_demand")
+        a.stop()
+        b.stop()
+        d, _, _, _ = demand(a, b, wanted={"ma", "mb"})
+        supervisors = {n: FakeSupervisor(x, sequential=True) for n, x in (("a", a), ("b", b))}
+        d._supervisors = supervisors  # type: ignore[assignment]
+        d.look()
+        assert [s.started for s in supervisors.values()] == [1, 0]  # a starting: b waits
+        a.mark_ready()
+        d.look()
+        assert [s.started for s in supervisors.values()] == [1, 1]
+    asyncio.run(test())
+
+
+def test_an_unhealthy_instance_does_not_keep_its_models_stopped_sibling_down() -> None:
+    async def test() -> None:
+        sick, lazy = spawned("sick"), spawned("lazy", start="on_demand")
+        sick.mark_ready()
+        sick.mark_lost()  # its process ended; its supervisor has yet to restart it
+        lazy.stop()
+        d, supervisors, _, _ = demand(sick, lazy, wanted={"m"})
+        d.look()
+        assert supervisors["lazy"].started == 1
     asyncio.run(test())
