@@ -23,6 +23,20 @@ class Launch:
 
 
 SLEEP_ROUTES = "VLLM_SERVER_DEV_MODE"
+LORA_ROUTES = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # /v1/load_lora_adapter and unload
+
+
+def lora_args(spec: SpawnSpec) -> list[str]:
+    """vLLM's LoRA flags for the adapters the config derived, unless its own args set them."""
+    if spec.lora is None:
+        return []
+    out = [] if "--enable-lora" in spec.args else ["--enable-lora"]
+    for flag, value in (("--max-loras", spec.lora.max_loras),
+                        ("--max-lora-rank", spec.lora.max_lora_rank),
+                        ("--max-cpu-loras", spec.lora.max_cpu_loras)):
+        if not any(a == flag or a.startswith(flag + "=") for a in spec.args):
+            out += [flag, str(value)]
+    return out
 
 
 def kv_args(spec: SpawnSpec) -> list[str]:
@@ -71,6 +85,7 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None 
             argv += ["--tensor-parallel-size", str(len(spec.gpus))]
         argv += list(spec.args)
         argv += kv_args(spec)
+        argv += lora_args(spec)
         if spec.sleep_after is not None and "--enable-sleep-mode" not in spec.args:
             argv.append("--enable-sleep-mode")
     # The gateway's own settings (VGW_*: an admin key among them) are not vLLM's to read.
@@ -83,6 +98,8 @@ def build(spec: SpawnSpec, gpu_package: bool | None = None, backend: str | None 
         env.update(NO_MULTICAST)
     if spec.sleep_after is not None:
         env[SLEEP_ROUTES] = "1"  # vLLM serves /sleep and /wake_up only in its dev mode
+    if spec.lora is not None:
+        env[LORA_ROUTES] = "1"  # the gateway loads each adapter where it sends it
     env.update(spec.env)
     if backend is not None:
         env[MARKER] = backend  # after spec.env: the marker is ours, not the user's to set

@@ -68,6 +68,18 @@ HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
 Name = Annotated[str, AfterValidator(_check_name)]
 
 
+class LoraLimits(BaseModel):
+    """LoRA on a spawned instance (issue 41): vLLM's ``--max-loras`` (adapters in one
+    batch), ``--max-lora-rank`` and ``--max-cpu-loras`` (adapters kept in host memory);
+    derived from ``[[adapters]]`` by the config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_loras: int = Field(default=1, ge=1, le=256)
+    max_lora_rank: int = Field(default=8, ge=1, le=512)
+    max_cpu_loras: int = Field(default=1, ge=1, le=4096)
+
+
 class SpawnSpec(BaseModel):
     """A vLLM instance the gateway starts and supervises itself."""
 
@@ -100,6 +112,8 @@ class SpawnSpec(BaseModel):
     # 2: discarded and reloaded at the wake); a request for its model wakes it.
     sleep_after: float | None = Field(default=None, gt=0, description="idle seconds")
     sleep_level: Literal[1, 2] = 1
+    # LoRA adapters (set by the config from [[adapters]] whose base it serves).
+    lora: LoraLimits | None = None
 
     @model_validator(mode="after")
     def _sleep_before_stop(self) -> SpawnSpec:
@@ -237,6 +251,13 @@ class BackendSpec(BaseModel):
     # for it (issue 38).
     kv_events: Annotated[str, AfterValidator(_check_zmq_url)] | None = None
     kv_replay: Annotated[str, AfterValidator(_check_zmq_url)] | None = None
+    # A url backend that serves LoRA adapters loaded at runtime (--enable-lora and
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); a spawned one does when an adapter adapts it.
+    lora: bool = False
+
+    @property
+    def serves_lora(self) -> bool:
+        return self.lora or (self.spawn is not None and self.spawn.lora is not None)
 
     @property
     def kv_endpoints(self) -> tuple[str, str | None] | None:

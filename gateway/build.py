@@ -60,6 +60,7 @@ from gateway.resilience.breaker import Breakers, MetricsListener
 from gateway.resilience.breaker_sync import BreakerSync
 from gateway.resilience.degraded import Degraded
 from gateway.resilience.replies import ReplyCache
+from gateway.routing.adapters import Adapters
 from gateway.routing.names import ModelNames
 from gateway.routing.pins import PinStore
 from gateway.routing.policies import make_policy
@@ -195,7 +196,7 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     breakers = Breakers(config.breaker, [spec.name for spec in _fixed(config)],
                         [MetricsListener(metrics)])
     pool = BackendPool([Backend(spec) for spec in _fixed(config)], breakers.allows,
-                       ModelNames(config.models))
+                       ModelNames(config.models), Adapters(config.adapters))
     canary = Canary(config.canary, metrics)
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None

@@ -139,7 +139,9 @@ def _sim(args: argparse.Namespace) -> int:
         kv_blocks=args.kv_blocks, kv_drop=args.kv_drop, token_details=args.token_details,
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         sleep_mode=args.enable_sleep_mode, wake_delay=args.wake_delay,
-        wake_garbles=args.wake_garbles,
+        wake_garbles=args.wake_garbles, enable_lora=args.enable_lora, max_loras=args.max_loras,
+        runtime_lora=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+        in ("1", "true"), lora_delay=args.lora_load_delay,
     )
     logs.setup(args.log_level, SimulatedCrash, fmt="text")
     uvicorn.run(
@@ -263,6 +265,11 @@ def _sim_command(sub: Subparsers) -> None:
     sim.add_argument("--wake-delay", type=float, default=0.0, help="seconds a wake takes")
     sim.add_argument("--wake-garbles", action="store_true",
                      help="a fault: wrong answers after every wake")
+    sim.add_argument("--enable-lora", action="store_true", help="LoRA adapters (loaded "
+                     "at runtime with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)")
+    sim.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
+    sim.add_argument("--lora-load-delay", type=float, default=0.0,
+                     help="seconds an adapter's load takes")
     sim.add_argument("--log-level", default="warning")
     sim.set_defaults(func=_sim)
 

@@ -12,7 +12,8 @@ import orjson
 from backends.asgi import Receive, Scope, Send, cancel_on_disconnect, read_body
 from backends.sim import more, replies, validate
 from backends.sim.bodies import Completion, first_token, prompt_bytes
-from backends.sim.kvpub import KvPublisher
+from backends.sim.kvpub import KvPublisher, lifespan
+from backends.sim.lora import Lora
 from backends.sim.options import Fault, SimOptions
 from backends.sim.prefix import PrefixCache
 from backends.sim.replies import error_body
@@ -64,6 +65,7 @@ class SimApp:
         self._slots = asyncio.Semaphore(options.capacity) if options.capacity else None
         self.sleep = Sleep(options.sleep_mode, options.wake_delay, options.wake_garbles,
                            self.prefix.clear)
+        self.lora = Lora(options.enable_lora, options.max_loras, options.models, options.lora_delay)
         self._routes: dict[str, tuple[str, Handler]] = {
             validate.CHAT: ("POST", self._completion),
             validate.COMPLETIONS: ("POST", self._completion),
@@ -81,11 +83,12 @@ class SimApp:
             "/sim/stats": ("GET", self._stats),
             "/sim/fault": ("POST", self._fault),
             **(self.sleep.routes() if options.dev_mode else {}),
+            **(self.lora.routes() if options.runtime_lora else {}),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send, self._kv)
+            await lifespan(receive, send, self._kv)
             return
         route = self._routes.get(path := scope["path"])
         if path in self.stats.polled:
@@ -107,10 +110,12 @@ class SimApp:
         await respond(send, 200, replies.version_body())
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await respond(send, 200, replies.models_body(self.options.models, self._max_model_len()))
+        await respond(send, 200, replies.models_body(self.options.models, self._max_model_len(),
+                                                     self.lora.cards))
 
     async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await respond(send, 200, orjson.dumps(self.stats.as_dict()))
+        stats = {**self.stats.as_dict(), "lora_loads": self.lora.loads}
+        await respond(send, 200, orjson.dumps(stats))
 
     async def _fault(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``{"set": "fault=stall,after=2"}`` (the x-sim syntax) applies to every request
@@ -134,7 +139,8 @@ class SimApp:
             ("vllm:prefix_cache_hits_total", "counter", self.prefix.hits),
         ]
         text = "".join(f"# TYPE {name} {kind}\n{name}{label} {value}\n"
-                       for name, kind, value in lines) + self.sleep.metrics(self.options.models[0])
+                       for name, kind, value in lines) + self.sleep.metrics(
+            self.options.models[0]) + self.lora.metrics()
         await respond(send, 200, text.encode(), METRICS)
 
     def _max_model_len(self, opts: SimOptions | None = None) -> int:
@@ -151,7 +157,8 @@ class SimApp:
                 content_type = value.decode("latin-1")
         parsed = validate.parse(scope["path"], content_type, raw)
         if isinstance(parsed, dict):
-            rejected = validate.check_model(scope["path"], parsed, self.options.models)
+            rejected = validate.check_model(scope["path"], parsed,
+                                            (*self.options.models, *self.lora.loaded))
             if rejected is None:
                 parsed.setdefault("model", None)
                 parsed["model"] = parsed["model"] or self.options.models[0]
@@ -202,7 +209,8 @@ class SimApp:
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or opts.tokens
         completion = Completion(chat=scope["path"] == validate.CHAT, model=str(body["model"]),
                                 prompt_tokens=len(prompt), n_tokens=int(n_tokens),
-                                first=first_token(body) + GARBLE * self.sleep.garbled,
+                                first=first_token(body) + GARBLE * self.sleep.garbled
+                                + self.lora.shift(body["model"]),
                                 cached=cached if opts.token_details else None)
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         watcher = cancel_on_disconnect(receive)
@@ -227,6 +235,7 @@ class SimApp:
     async def _generate(self, send: Send, body: dict[str, Any], completion: Completion,
                         opts: SimOptions, usage: bool) -> None:
         self.stats.running += 1
+        self.lora.running[completion.model] += 1
         self.stats.peak = max(self.stats.peak, self.stats.running)
         self.stats.started += 1
         try:
@@ -240,6 +249,7 @@ class SimApp:
             self.stats.completed += 1
         finally:
             self.stats.running -= 1
+            self.lora.running[completion.model] -= 1
             if self._slots is not None:
                 self._slots.release()
 
@@ -379,16 +389,3 @@ class SimApp:
             reply = more.pooling_body(model, more.texts(body["input"]))
         await self._whole(send, reply, opts)
 
-
-async def _lifespan(receive: Receive, send: Send, kv: KvPublisher | None) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            if kv is not None:
-                kv.start()
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            if kv is not None:
-                await kv.stop()
-            await send({"type": "lifespan.shutdown.complete"})
-            return

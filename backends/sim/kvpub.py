@@ -17,6 +17,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from backends.asgi import Receive, Send
+
 END = b"\xff" * 8
 KEEP = 10_000  # vLLM's buffer_steps
 
@@ -72,3 +74,18 @@ class KvPublisher:
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close()
+
+
+async def lifespan(receive: Receive, send: Send, kv: KvPublisher | None) -> None:
+    """The simulator's ASGI lifespan: its KV publisher bound at start, closed at the end."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            if kv is not None:
+                kv.start()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if kv is not None:
+                await kv.stop()
+            await send({"type": "lifespan.shutdown.complete"})
+            return

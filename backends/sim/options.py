@@ -53,6 +53,12 @@ class SimOptions:
     sleep_mode: bool = False
     wake_delay: float = 0.0
     wake_garbles: bool = False
+    # LoRA (backends/sim/lora.py): --enable-lora, --max-loras, and the runtime load and
+    # unload routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).
+    enable_lora: bool = False
+    max_loras: int = 1
+    runtime_lora: bool = False
+    lora_delay: float = 0.0
 
     @classmethod
     def parse_model(cls, spec: str) -> tuple[str, str]:

@@ -12,6 +12,7 @@ import struct
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -50,13 +51,17 @@ def unknown_model(model: object, served: tuple[str, ...], pooling: bool = False)
     return error_body(404, message, "NotFoundError", "model")
 
 
-def models_body(models: tuple[str, ...], max_model_len: int) -> bytes:
+def models_body(models: tuple[str, ...], max_model_len: int,
+                adapters: Callable[[int], list[dict[str, Any]]] | None = None) -> bytes:
+    """vLLM's ``/v1/models``: the base models, then the LoRA adapters loaded (``adapters``
+    gives their cards, each without its permission)."""
     now = int(time.time())
     data = [
         {"id": m, "object": "model", "created": now, "owned_by": "vllm", "root": m,
          "parent": None, "max_model_len": max_model_len, "permission": [_permission(now)]}
         for m in models
-    ]
+    ] + [{**card, "permission": [_permission(now)]}
+         for card in (adapters(now) if adapters is not None else [])]
     return orjson.dumps({"object": "list", "data": data})
 
 

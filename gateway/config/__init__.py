@@ -28,7 +28,10 @@ from pydantic import (
 from backends.health import HealthSettings
 from backends.spec import BackendSpec, Secret
 from backends.supervisor import SupervisorSettings
+from gateway.config.adapters import AdapterSpec, adapter_problems, derive
 from gateway.config.batch import BatchSection
+from gateway.config.canary import CanarySection as CanarySection
+from gateway.config.canary import RolloutSection as RolloutSection
 from gateway.config.checks import duplicate_keys, duplicate_names, duplicate_ports, gpu_budgets
 from gateway.config.source import Where, apply_env
 from gateway.config.tenancy import AccountingSection, KeySpec, LimitsSection, QueueSection
@@ -216,41 +219,6 @@ class ResilienceSection(Section):
     continue_max_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
 
 
-class RolloutSection(Section):
-    """Automatic, step-wise canary rollout with analysis against the stable group."""
-
-    enabled: bool = False
-    steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)
-    min_requests: int = Field(default=100, ge=1, description="canary requests per step window")
-    interval: float = Field(default=60.0, ge=0, description="least seconds per step")
-    # Roll back when the canary's error rate exceeds stable's by more than this (absolute).
-    max_error_rate_increase: float = Field(default=0.02, ge=0, le=1)
-    # Roll back when the canary's TTFT p95 exceeds stable's times this, plus the slack.
-    max_ttft_p95_ratio: float = Field(default=1.5, ge=1.0)
-    ttft_slack_ms: float = Field(default=50.0, ge=0)
-
-    @field_validator("steps")
-    @classmethod
-    def _steps(cls, steps: tuple[float, ...]) -> tuple[float, ...]:
-        if not steps or any(not 0 < s <= 100 for s in steps) or list(steps) != sorted(
-                set(steps)):
-            raise ValueError("must be increasing percentages in (0, 100]")
-        return steps
-
-
-class CanarySection(Section):
-    """One canary group rolled out against one stable group."""
-
-    enabled: bool = False
-    stable: str = "stable"
-    group: str = "canary"
-    weight: float = Field(default=0.0, ge=0, le=100, description="canary percentage at start")
-    shadow: float = Field(default=0.0, ge=0, le=100,
-                          description="percentage of stable traffic mirrored to the canary")
-    sync_interval: float = Field(default=0.25, gt=0, le=5)
-    rollout: RolloutSection = RolloutSection()
-
-
 class TracingSection(Section):
     """OpenTelemetry spans (the optional extra ``vllm-gateway[otel]``); off costs nothing."""
 
@@ -280,6 +248,7 @@ class Config(Section):
     queue: QueueSection = QueueSection()
     tracing: TracingSection = TracingSection()
     batch: BatchSection = BatchSection()
+    adapters: tuple[AdapterSpec, ...] = ()
     backends: tuple[BackendSpec, ...]
 
     @property
@@ -341,11 +310,7 @@ def setting_problems(config: Config) -> list[str]:
 
 def parse(raw: dict[str, Any]) -> Config:
     problems: list[str] = []
-    routing = raw.get("routing")
-    if isinstance(routing, dict) and routing.get("policy") == "kv":  # spawned ones publish
-        for backend in raw.get("backends") or []:
-            if isinstance(backend, dict) and isinstance(backend.get("spawn"), dict):
-                backend["spawn"].setdefault("kv_events", True)
+    derive(raw)
     config = None
     try:
         config = Config.model_validate(raw)
@@ -361,6 +326,8 @@ def parse(raw: dict[str, Any]) -> Config:
         problems.extend(duplicate_keys(config.keys, config.gateway.api_keys))
         problems.extend(group_problems(config))
         problems.extend(setting_problems(config))
+        problems.extend(adapter_problems(config.adapters, config.backends,
+                                         {r.name for r in config.models}))
     if raw.get("backends") == []:
         problems.append("backends: at least one backend is required")
     if problems or config is None:

@@ -37,6 +37,11 @@ class Opener:
             headers = self._tracing.attempt(record, backend.name, backend.spec.group,
                                             record.attempts, headers)
         body = self._pool.names.body_for(request, backend.spec.group)
+        adapters = self._pool.adapters
+        if adapters and request.model in adapters.specs and not await adapters.ensure(
+                backend, request.model, self._upstream):
+            return UpstreamUnavailable(f"backend {backend.name} could not load adapter "
+                                       f"{request.model}")
         try:
             reply = await self._upstream.request(request.method, backend.url + request.path,
                                                  headers, body)

@@ -7,6 +7,7 @@ from typing import Any
 
 from backends.backend import Backend, BackendState
 from gateway.config import ModelRoute
+from gateway.routing.adapters import Adapters
 from gateway.routing.names import ModelNames
 
 
@@ -31,10 +32,11 @@ def _serving(b: Backend) -> frozenset[str]:
 class BackendPool:
     def __init__(self, backends: Sequence[Backend],
                  allows: Callable[[Backend], bool] = _always,
-                 names: ModelNames | None = None) -> None:
+                 names: ModelNames | None = None, adapters: Adapters | None = None) -> None:
         self.backends = list(backends)
         self.allows = allows  # the circuit breakers' say
         self.names = names if names is not None else ModelNames()
+        self.adapters = adapters if adapters is not None else Adapters()  # LoRA, issue 41
         self.on_demand = self._any_on_demand()
 
     def replace(self, backends: Sequence[Backend]) -> None:
@@ -54,13 +56,19 @@ class BackendPool:
     def _serves(self, b: Backend, model: str, group: str | None) -> bool:
         if group is not None and b.spec.group != group:
             return False
+        if self.adapters and model in self.adapters.specs:
+            return self.adapters.serves(b, model)
         return b.serves(self.names.served(model, b.spec.group) if self.names else model)
 
     def candidates(self, model: str, group: str | None = None) -> list[Backend]:
         """Backends that may take a request for the client's ``model`` now (in ``group``
-        when given): routable, serving it, and allowed by their breaker."""
-        return [b for b in self.backends
-                if b.routable and self._serves(b, model, group) and self.allows(b)]
+        when given): routable, serving it, and allowed by their breaker (for a LoRA
+        adapter, those that have it loaded first: ``Adapters.prefer``)."""
+        found = [b for b in self.backends
+                 if b.routable and self._serves(b, model, group) and self.allows(b)]
+        if found and self.adapters and model in self.adapters.specs:
+            return self.adapters.prefer(found, model)
+        return found
 
     def ejected(self, model: str, group: str | None = None) -> list[Backend]:
         """Healthy backends serving ``model`` that only their breaker keeps out."""
@@ -88,13 +96,13 @@ class BackendPool:
         serves), whether or not a backend has answered for it yet: a request for it gets
         the degraded answers (reply cache, fallback model, static reply) or a 503, never
         the 404 of a model that does not exist."""
-        return self.names.declares(model) or any(
+        return self.names.declares(model) or model in self.adapters.specs or any(
             self._configured(b, model) for b in self.backends)
 
     def models(self) -> list[str]:
-        """The models of the backends that serve them or wake for them, as clients name them."""
-        return sorted({self.names.client(b.spec.group, m)
-                       for b in self.backends if _listed(b) for m in _serving(b)})
+        """The models of the backends that serve them or wake for them, as clients name them,
+        and the adapters of those models."""
+        return sorted(self.cards())
 
     def cards(self) -> dict[str, dict[str, Any]]:
         """``/v1/models``: each model by the name clients use, with the fields vLLM gave it
@@ -113,6 +121,11 @@ class BackendPool:
                 if isinstance(limit := card.get("max_model_len"), int) and isinstance(
                         seen.get("max_model_len"), int):
                     seen["max_model_len"] = min(seen["max_model_len"], limit)
+        for name, adapter in self.adapters.specs.items():  # as vLLM lists one it loaded
+            if adapter.base in merged and any(b.spec.serves_lora for b in self.backends):
+                merged.setdefault(name, {"id": name, "object": "model", "created": 0,
+                                         "owned_by": "vllm", "root": adapter.path,
+                                         "parent": adapter.base})
         return dict(sorted(merged.items()))
 
     @property

@@ -1,0 +1,125 @@
+"""LoRA adapters on their base model's instances (issue 41): which instances can serve an
+adapter, which of them have it loaded, and loading it where a request goes.
+
+An adapter is asked for by name like a model. Its candidates are the instances of its base
+that serve LoRA (``BackendSpec.serves_lora``); those that have it loaded come first while
+one of them has room (its own ``/v1/models`` lists it, or this process loaded it there
+since the instance last started), so that one adapter's traffic does not make every
+instance swap adapters in and out. Loading is vLLM's ``/v1/load_lora_adapter``, once per
+instance and adapter at a time: concurrent requests wait for the same load. An instance
+that restarts forgets its adapters (it has a new pid or restart count), and the next
+request loads it again. No path from a client ever reaches an instance: only declared
+adapters are loaded, from their declared path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import orjson
+
+from backends.backend import Backend
+from gateway.config.adapters import AdapterSpec
+from gateway.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("gateway.adapters")
+
+LOADED = b"has already been loaded"  # vLLM's 400 for a name loaded before (by any worker)
+Life = tuple[str, int | None, int]  # an instance's run: (backend, pid, restarts)
+
+
+def _life(backend: Backend) -> Life:
+    return backend.name, backend.pid, backend.restarts
+
+
+def _room(backend: Backend) -> bool:
+    if backend.capacity and backend.in_flight >= backend.capacity:
+        return False
+    return backend.load is None or backend.load.waiting == 0
+
+
+class Adapters:
+    def __init__(self, specs: Sequence[AdapterSpec] = ()) -> None:
+        self.specs: dict[str, AdapterSpec] = {}
+        self.declare(specs)
+        self._loaded: dict[Life, set[str]] = {}  # what this process loaded, per run
+        self._loading: dict[tuple[Life, str], asyncio.Future[bool]] = {}
+        self.loads: Counter[tuple[str, str, str]] = Counter()  # (backend, adapter, result)
+        self.load_seconds: dict[str, float] = {}  # per adapter, all loads together
+
+    def declare(self, specs: Sequence[AdapterSpec]) -> None:
+        """The ``[[adapters]]`` (at start and at each reload)."""
+        self.specs = {a.name: a for a in specs}
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def base(self, name: str) -> str | None:
+        spec = self.specs.get(name)
+        return spec.base if spec is not None else None
+
+    def serves(self, backend: Backend, name: str) -> bool:
+        """``backend`` can serve adapter ``name``: it has it, or serves its base with LoRA."""
+        spec = self.specs[name]
+        return backend.serves(name) or (backend.spec.serves_lora and backend.serves(spec.base))
+
+    def on(self, backend: Backend, name: str) -> bool:
+        """``backend`` has adapter ``name`` loaded, or is loading it (as far as this
+        process knows): a burst of an adapter's first requests goes where it loads."""
+        life = _life(backend)
+        return (backend.serves(name) or name in self._loaded.get(life, ())
+                or (life, name) in self._loading)
+
+    def prefer(self, found: list[Backend], name: str) -> list[Backend]:
+        """The candidates for adapter ``name``: those that have it, while one has room."""
+        have = [b for b in found if self.on(b, name)]
+        return have if have and any(_room(b) for b in have) else found
+
+    async def ensure(self, backend: Backend, name: str, upstream: Upstream) -> bool:
+        """Adapter ``name`` loaded on ``backend`` (loading it now if it is not): True once
+        it is, False when vLLM refused or could not be reached."""
+        life = _life(backend)
+        loading = self._loading.get((life, name))
+        if loading is None and self.on(backend, name):
+            return True
+        if loading is None:
+            loading = asyncio.ensure_future(self._load(backend, name, upstream, life))
+            self._loading[life, name] = loading
+            loading.add_done_callback(lambda _: self._loading.pop((life, name), None))
+        return await asyncio.shield(loading)
+
+    async def _load(self, backend: Backend, name: str, upstream: Upstream, life: Life) -> bool:
+        spec = self.specs[name]
+        body = orjson.dumps({"lora_name": name, "lora_path": spec.path})
+        headers = [(b"content-type", b"application/json")]  # the client sets the length
+        if backend.spec.api_key is not None:
+            token = backend.spec.api_key.get_secret_value()
+            headers.append((b"authorization", b"Bearer " + token.encode()))
+        began = time.monotonic()
+        try:
+            reply = await upstream.request("POST", backend.url + "/v1/load_lora_adapter",
+                                           headers, body)
+            answer = b""
+            while len(answer) < 65536 and (chunk := await reply.read()):
+                answer += chunk
+            await reply.aclose(reuse=len(answer) < 65536)
+        except UpstreamError as exc:
+            log.warning("backend %s: adapter %s not loaded: %s", backend.name, name, exc)
+            self.loads[backend.name, name, "failed"] += 1
+            return False
+        if reply.status == 200 or (reply.status == 400 and LOADED in answer):
+            self._loaded.setdefault(life, set()).add(name)
+            for old in [k for k in self._loaded if k[0] == life[0] and k != life]:
+                del self._loaded[old]  # an earlier run of that instance: forgotten
+            self.loads[backend.name, name, "loaded"] += 1
+            self.load_seconds[name] = self.load_seconds.get(name, 0.0) + time.monotonic() - began
+            log.info("backend %s: adapter %s loaded in %.2f s", backend.name, name,
+                     time.monotonic() - began)
+            return True
+        log.warning("backend %s: adapter %s not loaded: vLLM answered %d", backend.name,
+                    name, reply.status)
+        self.loads[backend.name, name, "refused"] += 1
+        return False
