@@ -126,6 +126,14 @@ class Metrics:
             "gateway_tokens_total", "Tokens vLLM reported (usage), by key name, model and kind "
             "(prompt, completion; a batch line's: batch_prompt, batch_completion)",
             ("key", "model", "kind"))
+        # LoRA adapters (issue 41): adapter names are the configured ones only.
+        self.adapter_loads = counter(
+            "gateway_adapter_loads_total", "LoRA adapter loads the gateway asked of an "
+            "instance, by result: loaded, refused (vLLM answered an error), failed (no answer)",
+            ("backend", "adapter", "result"))
+        self.adapter_load_time = histogram(
+            "gateway_adapter_load_seconds", "Time vLLM took to load a LoRA adapter",
+            ("adapter",), (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
         self.kv_blocks = gauge(
             "gateway_kv_blocks", "routing.policy = kv: blocks each backend holds in its KV "
             "cache, as its events say", ("backend",))

@@ -5,13 +5,15 @@
 - ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` -> 200 with the plain text
   ``Success: LoRA adapter 'NAME' added successfully.`` (no content type). Either field
   missing or empty, a name that is a base model, or a name loaded already: a 400
-  ``InvalidUserInput``. Without ``--enable-lora`` the engine refuses it (a 500).
+  ``InvalidUserInput``; a path without an adapter: a 404 ``NotFoundError``. Without
+  ``--enable-lora`` the engine refuses it (a 500).
 - ``POST /v1/unload_lora_adapter {"lora_name"}`` -> 200 ``Success: LoRA adapter 'NAME'
   removed successfully.``; a name not loaded: a 404 ``NotFoundError``.
 - ``/v1/models`` lists each loaded adapter after the base models: ``root`` its path,
   ``parent`` the base model; a request names an adapter as its ``model``.
 - ``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}``: a
-  gauge whose labels name the adapters of the requests running (comma separated).
+  gauge whose labels name the adapters of the requests running (comma separated), its
+  value the time it was set.
 
 An adapter's answers differ from the base model's and from every other adapter's (its
 tokens are shifted by a number drawn from its name), as a random-weight adapter's do.
@@ -20,6 +22,8 @@ tokens are shifted by a number drawn from its name), as a random-weight adapter'
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 import zlib
 from collections import Counter
 from typing import Any
@@ -63,7 +67,7 @@ class Lora:
         running = ",".join(sorted(n for n, c in self.running.items() if c > 0))
         return ("# TYPE vllm:lora_requests_info gauge\n"
                 f'vllm:lora_requests_info{{max_lora="{self.max_loras}",running_lora_adapters='
-                f'"{running}",waiting_lora_adapters=""}} 1\n')
+                f'"{running}",waiting_lora_adapters=""}} {time.time()}\n')
 
     async def _fields(self, receive: Receive, send: Send) -> dict[str, Any] | None:
         try:
@@ -94,6 +98,12 @@ class Lora:
         if not self.enabled:
             await respond(send, 500, error_body(500, "LoRA is not enabled",
                                                 "InternalServerError"))
+            return
+        found = os.path.join(str(path), "adapter_config.json")
+        if not await asyncio.to_thread(os.path.isfile, found):
+            await respond(send, 404, error_body(
+                404, f"Loading lora {name} failed: No adapter found for <path>",
+                "NotFoundError"))
             return
         if self.delay:
             await asyncio.sleep(self.delay)

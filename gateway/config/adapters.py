@@ -37,7 +37,6 @@ class AdapterSpec(BaseModel):
         min_length=1, max_length=4096,
         description="its directory (adapter_config.json, weights), as the instances read it")
     base: str = Field(min_length=1, description="the model it adapts (as instances serve it)")
-    preload: bool = Field(default=False, description="loaded on each instance when ready")
 
 
 def rank(path: str) -> int | None:

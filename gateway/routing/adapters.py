@@ -23,6 +23,7 @@ import orjson
 
 from backends.backend import Backend
 from gateway.config.adapters import AdapterSpec
+from gateway.metrics import Metrics
 from gateway.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("gateway.adapters")
@@ -42,13 +43,14 @@ def _room(backend: Backend) -> bool:
 
 
 class Adapters:
-    def __init__(self, specs: Sequence[AdapterSpec] = ()) -> None:
+    def __init__(self, specs: Sequence[AdapterSpec] = (), metrics: Metrics | None = None
+                 ) -> None:
         self.specs: dict[str, AdapterSpec] = {}
         self.declare(specs)
+        self._metrics = metrics
         self._loaded: dict[Life, set[str]] = {}  # what this process loaded, per run
         self._loading: dict[tuple[Life, str], asyncio.Future[bool]] = {}
         self.loads: Counter[tuple[str, str, str]] = Counter()  # (backend, adapter, result)
-        self.load_seconds: dict[str, float] = {}  # per adapter, all loads together
 
     def declare(self, specs: Sequence[AdapterSpec]) -> None:
         """The ``[[adapters]]`` (at start and at each reload)."""
@@ -108,18 +110,24 @@ class Adapters:
             await reply.aclose(reuse=len(answer) < 65536)
         except UpstreamError as exc:
             log.warning("backend %s: adapter %s not loaded: %s", backend.name, name, exc)
-            self.loads[backend.name, name, "failed"] += 1
+            self._count(backend, name, "failed")
             return False
         if reply.status == 200 or (reply.status == 400 and LOADED in answer):
             self._loaded.setdefault(life, set()).add(name)
             for old in [k for k in self._loaded if k[0] == life[0] and k != life]:
                 del self._loaded[old]  # an earlier run of that instance: forgotten
-            self.loads[backend.name, name, "loaded"] += 1
-            self.load_seconds[name] = self.load_seconds.get(name, 0.0) + time.monotonic() - began
-            log.info("backend %s: adapter %s loaded in %.2f s", backend.name, name,
-                     time.monotonic() - began)
+            took = time.monotonic() - began
+            self._count(backend, name, "loaded")
+            if self._metrics is not None:
+                self._metrics.adapter_load_time.labels(name).observe(took)
+            log.info("backend %s: adapter %s loaded in %.2f s", backend.name, name, took)
             return True
         log.warning("backend %s: adapter %s not loaded: vLLM answered %d", backend.name,
                     name, reply.status)
-        self.loads[backend.name, name, "refused"] += 1
+        self._count(backend, name, "refused")
         return False
+
+    def _count(self, backend: Backend, name: str, result: str) -> None:
+        self.loads[backend.name, name, result] += 1
+        if self._metrics is not None:
+            self._metrics.adapter_loads.labels(backend.name, name, result).inc()

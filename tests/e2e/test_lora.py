@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_supervision import spawned, status, supervisor_toml
-from tests.helpers import Gateway, wait_for
+from tests.helpers import Gateway, metric, wait_for
 
 SIM_LORA = ('["{python}", "-m", "gateway", "sim", "--port", "{port}", "--model", '
             '"{served_model_name}", "--enable-lora", "--max-loras", "2", '
@@ -68,6 +68,8 @@ def test_an_adapter_is_listed_loaded_where_it_goes_and_answers_as_itself(gw: Gat
     second = ask(gw, "a2")
     texts = {r.json()["choices"][0]["message"]["content"] for r in (base, first, second)}
     assert len(texts) == 3  # the base model and each adapter answer differently
+    assert metric(gw.url, "gateway_adapter_loads_total", backend=where, adapter="a1",
+                  result="loaded") == 1
     again = [ask(gw, "a1") for _ in range(6)]  # where it is loaded, while it has room
     assert {r.headers["x-gateway-backend"] for r in again} == {where}
     assert {r.json()["choices"][0]["message"]["content"] for r in again} == {
