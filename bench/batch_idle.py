@@ -54,15 +54,17 @@ def chat(text: str, stream: bool) -> dict[str, object]:
 
 
 async def saturated(url: str, seconds: float) -> float:
-    """Requests/s with every place of both instances taken (closed loop)."""
+    """Requests/s with every place of both instances taken (closed loop), streamed as the
+    interactive requests are."""
     done, end = 0, time.perf_counter() + seconds
 
     async def loop(session: aiohttp.ClientSession, n: int) -> None:
         nonlocal done
         while time.perf_counter() < end:
             async with session.post(url + "/v1/chat/completions",
-                                    json=chat(f"probe {n} {done}", False)) as r:
-                await r.read()
+                                    json=chat(f"probe {n} {done}", True)) as r:
+                async for _ in r.content.iter_any():
+                    pass
                 done += r.status == 200
 
     began = time.perf_counter()
