@@ -209,11 +209,14 @@ class Demand:
         self._begin(backend, self._idle_stop(backend, supervisor), "idle stop")
 
     async def _idle_stop(self, backend: Backend, supervisor: Supervisor) -> None:
-        if not await supervisor.drained() or backend.state is not BackendState.DRAINING:
-            if backend.state is BackendState.DRAINING:
-                backend.mark_ready()  # requests still running: not now
+        awake = backend.state is BackendState.READY  # an asleep one is not called back
+        drained = await supervisor.drained()
+        if backend.state is not BackendState.DRAINING:
+            return  # stopped or restarted meanwhile (an operator): theirs to say
+        if awake and not drained:
+            backend.mark_ready()  # requests still running: not now
             return
-        if self._called_off(backend):
+        if awake and self._called_off(backend):
             return
         self.stops += 1
         await supervisor.stop()

@@ -37,12 +37,13 @@ class Opener:
             headers = self._tracing.attempt(record, backend.name, backend.spec.group,
                                             record.attempts, headers)
         body = self._pool.names.body_for(request, backend.spec.group)
-        adapters = self._pool.adapters
-        if adapters and request.model in adapters.specs and not await adapters.ensure(
-                backend, request.model, self._upstream):
-            return UpstreamUnavailable(f"backend {backend.name} could not load adapter "
-                                       f"{request.model}")
+        adapters = self._pool.adapters.specs
         try:
+            # A LoRA adapter is loaded there first (AdapterRefused, raised, counts against
+            # no breaker; an instance that did not answer is another attempt's to try).
+            if adapters and request.model in adapters and not await self._pool.adapters.ensure(
+                    backend, request.model, self._upstream):
+                return None
             reply = await self._upstream.request(request.method, backend.url + request.path,
                                                  headers, body)
             if request.creates is not None and reply.status == 200:

@@ -4,11 +4,12 @@ adapter, which of them have it loaded, and loading it where a request goes.
 An adapter is asked for by name like a model. Its candidates are the instances of its base
 that serve LoRA (``BackendSpec.serves_lora``); those that have it loaded come first while
 one of them has room (its own ``/v1/models`` lists it, or this process loaded it there
-since the instance last started), so that one adapter's traffic does not make every
-instance swap adapters in and out. Loading is vLLM's ``/v1/load_lora_adapter``, once per
-instance and adapter at a time: concurrent requests wait for the same load. An instance
-that restarts forgets its adapters (it has a new pid or restart count), and the next
-request loads it again. No path from a client ever reaches an instance: only declared
+lately), so that one adapter's traffic does not make every instance swap adapters in and
+out. Loading is vLLM's ``/v1/load_lora_adapter``, once per instance and adapter at a time:
+concurrent requests wait for the same load. What this process loaded counts for ``TRUST``
+seconds; after that the instance's own ``/v1/models`` says (scraped every health
+interval), so an instance that restarted (a url backend's too) has its adapter loaded
+again by the next request. No path from a client ever reaches an instance: only declared
 adapters are loaded, from their declared path."""
 
 from __future__ import annotations
@@ -23,13 +24,25 @@ import orjson
 
 from backends.backend import Backend
 from gateway.config.adapters import AdapterSpec
+from gateway.errors import GatewayError
 from gateway.metrics import Metrics
 from gateway.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("gateway.adapters")
 
 LOADED = b"has already been loaded"  # vLLM's 400 for a name loaded before (by any worker)
+TRUST = 15.0  # seconds a load this process made counts without the instance listing it
+LOAD_TIMEOUT = 120.0  # seconds a load may take (vLLM reads the weights)
 Life = tuple[str, int | None, int]  # an instance's run: (backend, pid, restarts)
+
+
+class AdapterRefused(GatewayError):
+    """vLLM would not load a declared adapter (its path, its rank, its base): the
+    operator's to fix, not the instance's fault, so no breaker counts it."""
+
+    status = 503
+    kind = "service_unavailable"
+    code = "adapter_unavailable"
 
 
 def _life(backend: Backend) -> Life:
@@ -48,8 +61,8 @@ class Adapters:
         self.specs: dict[str, AdapterSpec] = {}
         self.declare(specs)
         self._metrics = metrics
-        self._loaded: dict[Life, set[str]] = {}  # what this process loaded, per run
-        self._loading: dict[tuple[Life, str], asyncio.Future[bool]] = {}
+        self._loaded: dict[Life, dict[str, float]] = {}  # this process's loads: name -> when
+        self._loading: dict[tuple[Life, str], asyncio.Future[bool | None]] = {}
         self.loads: Counter[tuple[str, str, str]] = Counter()  # (backend, adapter, result)
 
     def declare(self, specs: Sequence[AdapterSpec]) -> None:
@@ -71,8 +84,11 @@ class Adapters:
     def on(self, backend: Backend, name: str) -> bool:
         """``backend`` has adapter ``name`` loaded, or is loading it (as far as this
         process knows): a burst of an adapter's first requests goes where it loads."""
+        if backend.serves(name):
+            return True
         life = _life(backend)
-        return (backend.serves(name) or name in self._loaded.get(life, ())
+        loaded = self._loaded.get(life, {}).get(name)
+        return ((loaded is not None and time.monotonic() - loaded < TRUST)
                 or (life, name) in self._loading)
 
     def prefer(self, found: list[Backend], name: str) -> list[Backend]:
@@ -82,19 +98,26 @@ class Adapters:
 
     async def ensure(self, backend: Backend, name: str, upstream: Upstream) -> bool:
         """Adapter ``name`` loaded on ``backend`` (loading it now if it is not): True once
-        it is, False when vLLM refused or could not be reached."""
+        it is; False when the instance could not be reached (another may be tried).
+        Raises ``AdapterRefused`` when vLLM answered that it will not load it."""
         life = _life(backend)
         loading = self._loading.get((life, name))
-        if loading is None and self.on(backend, name):
-            return True
         if loading is None:
-            loading = asyncio.ensure_future(self._load(backend, name, upstream, life))
+            if self.on(backend, name):
+                return True
+            spec = self.specs[name]
+            loading = asyncio.ensure_future(self._load(backend, spec, upstream, life))
             self._loading[life, name] = loading
             loading.add_done_callback(lambda _: self._loading.pop((life, name), None))
-        return await asyncio.shield(loading)
+        loaded = await asyncio.shield(loading)
+        if loaded is None:
+            raise AdapterRefused(f"adapter {name} could not be loaded; retry later")
+        return loaded
 
-    async def _load(self, backend: Backend, name: str, upstream: Upstream, life: Life) -> bool:
-        spec = self.specs[name]
+    async def _load(self, backend: Backend, spec: AdapterSpec, upstream: Upstream,
+                    life: Life) -> bool | None:
+        """True: loaded; False: no answer in time; None: vLLM refused it."""
+        name = spec.name
         body = orjson.dumps({"lora_name": name, "lora_path": spec.path})
         headers = [(b"content-type", b"application/json")]  # the client sets the length
         if backend.spec.api_key is not None:
@@ -102,18 +125,22 @@ class Adapters:
             headers.append((b"authorization", b"Bearer " + token.encode()))
         began = time.monotonic()
         try:
-            reply = await upstream.request("POST", backend.url + "/v1/load_lora_adapter",
-                                           headers, body)
-            answer = b""
-            while len(answer) < 65536 and (chunk := await reply.read()):
-                answer += chunk
-            await reply.aclose(reuse=len(answer) < 65536)
-        except UpstreamError as exc:
-            log.warning("backend %s: adapter %s not loaded: %s", backend.name, name, exc)
+            async with asyncio.timeout(LOAD_TIMEOUT):
+                reply = await upstream.request(
+                    "POST", backend.url + "/v1/load_lora_adapter", headers, body)
+                answer = b""
+                try:
+                    while len(answer) < 65536 and (chunk := await reply.read()):
+                        answer += chunk
+                finally:
+                    await reply.aclose(reuse=len(answer) < 65536)
+        except (UpstreamError, TimeoutError) as exc:
+            log.warning("backend %s: adapter %s not loaded: %s", backend.name, name,
+                        exc or type(exc).__name__)
             self._count(backend, name, "failed")
             return False
         if reply.status == 200 or (reply.status == 400 and LOADED in answer):
-            self._loaded.setdefault(life, set()).add(name)
+            self._loaded.setdefault(life, {})[name] = time.monotonic()
             for old in [k for k in self._loaded if k[0] == life[0] and k != life]:
                 del self._loaded[old]  # an earlier run of that instance: forgotten
             took = time.monotonic() - began
@@ -125,7 +152,7 @@ class Adapters:
         log.warning("backend %s: adapter %s not loaded: vLLM answered %d", backend.name,
                     name, reply.status)
         self._count(backend, name, "refused")
-        return False
+        return None
 
     def _count(self, backend: Backend, name: str, result: str) -> None:
         self.loads[backend.name, name, result] += 1

@@ -56,7 +56,7 @@ class BackendPool:
     def _serves(self, b: Backend, model: str, group: str | None) -> bool:
         if group is not None and b.spec.group != group:
             return False
-        if self.adapters and model in self.adapters.specs:
+        if self.adapters.specs and model in self.adapters.specs:
             return self.adapters.serves(b, model)
         return b.serves(self.names.served(model, b.spec.group) if self.names else model)
 
@@ -66,7 +66,7 @@ class BackendPool:
         adapter, those that have it loaded first: ``Adapters.prefer``)."""
         found = [b for b in self.backends
                  if b.routable and self._serves(b, model, group) and self.allows(b)]
-        if found and self.adapters and model in self.adapters.specs:
+        if found and self.adapters.specs and model in self.adapters.specs:
             return self.adapters.prefer(found, model)
         return found
 
@@ -80,8 +80,13 @@ class BackendPool:
         return any(self._serves(b, model, group) for b in self.backends)
 
     def demanded(self, model: str) -> list[Backend]:
-        """The spawned backends of ``model`` that demand starts and stops (issue 39), in
-        any state: known by what they are configured to serve before they first ran."""
+        """The spawned backends of ``model`` (of its base, for a LoRA adapter) that demand
+        starts and stops (issue 39), in any state: known by what they are configured to
+        serve before they first ran."""
+        base = self.adapters.base(model) if self.adapters.specs else None
+        if base is not None:
+            return [b for b in self.backends if b.on_demand and b.spec.serves_lora
+                    and b.spec.spawn is not None and b.spec.spawn.name_served == base]
         return [b for b in self.backends if b.on_demand and (
             self._configured(b, model)
             or any(self.names.client(b.spec.group, m) == model for m in b.models))]
@@ -122,7 +127,8 @@ class BackendPool:
                         seen.get("max_model_len"), int):
                     seen["max_model_len"] = min(seen["max_model_len"], limit)
         for name, adapter in self.adapters.specs.items():  # as vLLM lists one it loaded
-            if adapter.base in merged and any(b.spec.serves_lora for b in self.backends):
+            if any(_listed(b) and b.spec.serves_lora and adapter.base in _serving(b)
+                   for b in self.backends):
                 merged.setdefault(name, {"id": name, "object": "model", "created": 0,
                                          "owned_by": "vllm", "root": adapter.path,
                                          "parent": adapter.base})

@@ -44,7 +44,7 @@ def sim(gw: Gateway, name: str, path: str) -> Any:
 @pytest.fixture
 def gw(tmp_path: Path) -> Any:
     config = (supervisor_toml(tmp_path) + adapter(tmp_path, "a1") + adapter(tmp_path, "a2")
-              + spawned("s1", SIM_LORA) + spawned("s2", SIM_LORA))
+              + adapter(tmp_path, "gone") + spawned("s1", SIM_LORA) + spawned("s2", SIM_LORA))
     gateway = Gateway(tmp_path, config, name="lora")
     try:
         wait_for(lambda: all(b["state"] == "ready" for b in status(gateway).values()), 30,
@@ -56,7 +56,7 @@ def gw(tmp_path: Path) -> Any:
 
 def test_an_adapter_is_listed_loaded_where_it_goes_and_answers_as_itself(gw: Gateway) -> None:
     listed = {m["id"]: m for m in httpx.get(gw.url + "/v1/models").json()["data"]}
-    assert set(listed) == {"sim-model", "a1", "a2"}
+    assert set(listed) == {"sim-model", "a1", "a2", "gone"}
     assert listed["a1"]["parent"] == "sim-model"
     assert listed["a1"]["root"].endswith("adapters/a1")
     base, first = ask(gw, "sim-model"), ask(gw, "a1")
@@ -104,3 +104,16 @@ def test_an_adapter_nobody_declared_is_a_missing_model_and_never_loaded(gw: Gate
         assert reply.status_code == 404, reply.text
         assert reply.json()["error"]["code"] == "model_not_found"
     assert sum(sim(gw, n, "/sim/stats")["lora_loads"] for n in ("s1", "s2")) == 0
+
+
+def test_an_adapter_vllm_refuses_gets_a_503_and_opens_no_breaker(gw: Gateway,
+                                                                 tmp_path: Path) -> None:
+    (tmp_path / "adapters" / "gone" / "adapter_config.json").unlink()  # after the check
+    for _ in range(12):  # more than the breakers' 5 failures in a row, on both instances
+        reply = ask(gw, "gone")
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "adapter_unavailable"
+    assert {b["breaker"]["state"] if isinstance(b["breaker"], dict) else b["breaker"]
+            for b in status(gw).values()} == {"closed"}
+    assert {ask(gw, "sim-model").status_code for _ in range(4)} == {200}
+    assert metric(gw.url, "gateway_adapter_loads_total", result="refused") >= 1

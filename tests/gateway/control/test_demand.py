@@ -455,3 +455,38 @@ def test_an_unhealthy_instance_does_not_keep_its_models_stopped_sibling_down() -
         d.look()
         assert supervisors["lazy"].started == 1
     asyncio.run(test())
+
+
+def test_an_asleep_instance_stopped_for_idleness_is_not_called_back_awake() -> None:
+    class AskedMeanwhile(FakeSupervisor):
+        async def drained(self) -> bool:
+            self.backend.drain()
+            asked.add("m")  # its model asked for while it drained: vLLM is still asleep
+            return True
+
+    async def test() -> None:
+        d.look()
+        clock.now = 31
+        d.look()
+        await settled()
+        assert sleepy.state is BackendState.STOPPED and supervisor.stopped == 1
+
+    sleepy = spawned("s", sleep_after=10, stop_after=30)
+    sleepy.fall_asleep(2)
+    d, _, clock, asked = demand(sleepy, sleeper=FakeSleeper())
+    supervisor = AskedMeanwhile(sleepy)
+    d._supervisors = {"s": supervisor}  # type: ignore[dict-item]
+    asyncio.run(test())
+
+
+def test_a_lora_adapter_wants_its_bases_on_demand_instances() -> None:
+    from gateway.config.adapters import AdapterSpec
+    from gateway.routing.adapters import Adapters
+
+    lazy = spawned("lazy", start="on_demand", lora={"max_loras": 1})
+    other = spawned("other", model="n", start="on_demand")
+    pool = BackendPool([lazy, other], adapters=Adapters(
+        [AdapterSpec(name="a1", base="m", path="/srv/a1")]))
+    assert pool.demanded("a1") == [lazy] and pool.demanded("m") == [lazy]
+    lazy.stop()
+    assert Waking(pool).within("a1") == 180  # a request for the adapter waits for its base
