@@ -149,7 +149,7 @@ class Runner:
         One poller per batch: room comes from in-flight counts and scraped loads that
         nothing signals."""
         while not stop.is_set():
-            self.share.look(self._queue.interactive_waits)
+            self.share.look(self._queue.interactive_waits, self._queue.pulse.raised)
             if self._room(model if isinstance(model, str) else ""):
                 self.share.in_flight += 1
                 return True

@@ -1,9 +1,12 @@
 """How many batch lines may be in flight at once: the batch band's share of capacity,
 found as TCP finds a window. It grows by one each ``GROW`` seconds in which no interactive
 request had to wait in this process's queue while the lines in flight use all it allows,
-and halves (at most each ``BACKOFF`` seconds) when one did: a line in flight is never
-preempted, so what the band holds when interactive traffic rises is what that traffic
-waits for; the share follows the idle capacity rather than taking all of it."""
+and halves (at most each ``BACKOFF`` seconds) when one did, or when interactive requests'
+time to first byte rose above its low-water mark (as TCP Vegas backs off on delay: on a
+compute-bound instance a batch line slows every request beside it, with no queue at all).
+A line in flight is never preempted, so what the band holds when interactive traffic
+rises is what that traffic waits for; the share follows the idle capacity rather than
+taking all of it."""
 
 from __future__ import annotations
 
@@ -27,11 +30,12 @@ class Share:
     def room(self) -> bool:
         return self.in_flight < self.allowed
 
-    def look(self, waits: int) -> None:
-        """The queue's count of interactive waits, read now: any since the last look
-        halves the share; none for ``GROW`` seconds at full use grows it."""
+    def look(self, waits: int, slowed: bool = False) -> None:
+        """The queue's count of interactive waits, read now, and whether interactive
+        requests got slower (``Pulse.raised``): a wait since the last look, or slower
+        requests, halve the share; neither for ``GROW`` seconds at full use grows it."""
         now = self._clock()
-        if waits > self._waits:
+        if waits > self._waits or slowed:
             self._waits = waits
             if now - self._changed >= BACKOFF:
                 self.allowed = max(1, self.allowed // 2)

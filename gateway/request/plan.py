@@ -38,7 +38,7 @@ from gateway.routing.pool import BackendPool
 from gateway.routing.queue import WaitQueue
 from gateway.routing.router import Router
 from gateway.tenants.limits import Admission
-from gateway.types import Facts, Record
+from gateway.types import BATCH_BAND, Facts, Record
 from gateway.upstream import UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
@@ -204,6 +204,8 @@ class Planner:
             self._queue.give(record.tenant)
             if not self._queue.idle:
                 self._queue.freed()
+        if record.first_byte is not None and record.priority != BATCH_BAND:
+            self._queue.pulse.note(record.first_byte - record.request.started)
 
     def judge(self, reply: UpstreamResponse | GatewayError | None, ticket: Ticket,
               plan: Plan, attempt: int) -> tuple[Outcome, Next]:

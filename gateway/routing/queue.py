@@ -12,6 +12,7 @@ backend's capacity.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -35,6 +36,38 @@ class PinFull(Exception):
         self.backend = backend
 
 
+class Pulse:
+    """Interactive requests' time to their first byte in this process: a moving average
+    and its low-water mark, which drifts up to the average over ``DRIFT`` seconds (so a
+    lasting change of load or prompts is the new normal). ``raised``: the average is above
+    the mark by more than ``RISE`` (the batch band backs off: its lines slow what runs
+    beside them inside vLLM, which no queue in the gateway shows)."""
+
+    ALPHA = 0.1  # weight of each new request in the average
+    DRIFT = 300.0
+    RISE, SLACK = 1.15, 0.005  # x the mark, + seconds
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.mean: float | None = None
+        self.low: float | None = None
+        self._clock = clock
+        self._at = clock()
+
+    def note(self, seconds: float) -> None:
+        mean = seconds if self.mean is None else self.mean + self.ALPHA * (seconds - self.mean)
+        now = self._clock()
+        if self.low is None or mean < self.low:
+            self.low = mean
+        else:
+            self.low += (mean - self.low) * min(1.0, (now - self._at) / self.DRIFT)
+        self.mean, self._at = mean, now
+
+    @property
+    def raised(self) -> bool:
+        return (self.mean is not None and self.low is not None
+                and self.mean > self.low * self.RISE + self.SLACK)
+
+
 class WaitQueue:
     def __init__(self, settings: QueueSection, metrics: Metrics, tenants: int = 1) -> None:
         self._settings = settings
@@ -47,6 +80,7 @@ class WaitQueue:
         self._bands: dict[int, OrderedDict[str, deque[asyncio.Future[None]]]] = {}
         self.waiting = 0
         self.interactive_waits = 0  # requests that had to wait, batch lines aside (ever)
+        self.pulse = Pulse()  # interactive requests' time to first byte (the batch band's)
         self._pinned: set[asyncio.Future[None]] = set()  # sessions waiting for their own
         self.pin_wait = settings.pin_wait
 

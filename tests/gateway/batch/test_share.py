@@ -46,3 +46,41 @@ def test_the_share_does_not_grow_while_it_is_not_used() -> None:
         clock.now += GROW
         share.look(0)  # nothing in flight: its one place is not even used
     assert share.allowed == 1
+
+
+def test_slower_interactive_requests_halve_the_share_without_any_wait() -> None:
+    clock = Clock()
+    share = Share(8, clock)
+    for _ in range(7):
+        clock.now += GROW
+        share.in_flight = share.allowed
+        share.look(0)
+    assert share.allowed == 8
+    clock.now += BACKOFF
+    share.look(0, slowed=True)  # nobody waited, but their first bytes came later
+    assert share.allowed == 4
+
+
+def test_the_pulse_rises_with_slower_first_bytes_and_its_mark_drifts_up_to_a_new_normal(
+        ) -> None:
+    from gateway.routing.queue import Pulse
+
+    clock = Clock()
+    pulse = Pulse(clock)
+    assert not pulse.raised  # nothing seen yet
+    for _ in range(50):  # 100 ms each: the normal
+        clock.now += 0.05
+        pulse.note(0.100)
+    assert not pulse.raised and abs((pulse.low or 0) - 0.100) < 1e-3
+    for _ in range(10):  # a batch slows every request beside it
+        clock.now += 0.05
+        pulse.note(0.300)
+    assert pulse.raised
+    for _ in range(40):  # back to normal once the share halved
+        clock.now += 0.05
+        pulse.note(0.100)
+    assert not pulse.raised
+    for _ in range(400):  # 120 ms for good (longer prompts, say): the mark follows
+        clock.now += 1.0
+        pulse.note(0.120)
+    assert not pulse.raised and (pulse.low or 0) > 0.112
