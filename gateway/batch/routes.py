@@ -26,6 +26,7 @@ from gateway.config.batch import BatchSection
 from gateway.errors import error_body
 from gateway.http.auth import TENANT
 from gateway.http.form import is_form
+from gateway.http.sink import close_lingering
 from gateway.tenants.keyring import ANONYMOUS
 
 log = logging.getLogger("gateway.batch")
@@ -47,6 +48,15 @@ def _error(status: int, message: str, code: str | None = None, param: str | None
            kind: str = "invalid_request_error") -> Response:
     return Response(error_body(message, kind, code, param), status,
                     media_type="application/json")
+
+
+def _closing(request: Request, status: int, message: str, code: str) -> Response:
+    """A refusal sent before the body was all read (413, 408, a broken form): the
+    connection closes, lingering so that a client still writing reads the answer."""
+    close_lingering(request.scope)
+    reply = _error(status, message, code)
+    reply.headers["connection"] = "close"
+    return reply
 
 
 def _id(request: Request) -> str:
@@ -103,7 +113,8 @@ class BatchApi:
     async def _upload(self, request: Request) -> Response:
         limit = self._settings.max_file_bytes
         if int(request.headers.get("content-length") or 0) > limit + SLACK:
-            return _error(413, f"A file may hold at most {limit} bytes.", "file_too_large")
+            return _closing(request, 413, f"A file may hold at most {limit} bytes.",
+                            "file_too_large")
         if not is_form(request.headers.get("content-type", "").encode("latin-1")):
             return _error(400, "The body must be multipart/form-data with a file and a "
                           "purpose.", "invalid_form")
@@ -111,13 +122,14 @@ class BatchApi:
         try:
             form = await request.form(max_files=1, max_fields=8)
         except TooLarge:
-            return _error(413, f"A file may hold at most {limit} bytes.", "file_too_large")
+            return _closing(request, 413, f"A file may hold at most {limit} bytes.",
+                            "file_too_large")
         except Stalled:
-            return _error(408, f"The upload sent nothing for {self._idle:g} s.",
-                          "request_timeout")
+            return _closing(request, 408, f"The upload sent nothing for {self._idle:g} s.",
+                            "request_timeout")
         except Exception:
-            return _error(400, "The body must be multipart/form-data with a file and a "
-                          "purpose.", "invalid_form")
+            return _closing(request, 400, "The body must be multipart/form-data with a file "
+                            "and a purpose.", "invalid_form")
         try:
             upload, purpose = form.get("file"), form.get("purpose")
             if purpose != "batch":
@@ -184,11 +196,11 @@ class BatchApi:
         except orjson.JSONDecodeError:
             return _error(400, "The body must be a JSON object.", "invalid_json")
         except TooLarge:
-            return _error(413, f"A batch's request holds at most {MAX_CREATE} bytes.",
-                          "body_too_large")
+            return _closing(request, 413, f"A batch's request holds at most {MAX_CREATE} "
+                            "bytes.", "body_too_large")
         except Stalled:
-            return _error(408, f"The request sent nothing for {self._idle:g} s.",
-                          "request_timeout")
+            return _closing(request, 408, f"The request sent nothing for {self._idle:g} s.",
+                            "request_timeout")
         if not isinstance(asked, dict):
             return _error(400, "The body must be a JSON object.", "invalid_json")
         owner = _owner(request)

@@ -161,6 +161,8 @@ class Guarded(HttpToolsProtocol):
         self._turned_away = False
         self._lingers_refused = False  # a refusal counted in door.lingering
         self._begun = self._answered = 0  # requests begun and answered on this connection
+        self._received = 0  # requests whose body has all arrived
+        self._draining = False  # answered, but the client still sends a body nobody read
         self._header_bytes = 0
         self._deadline: asyncio.TimerHandle | None = None
         self._hangup: Callable[[], None] | None = None
@@ -316,6 +318,14 @@ class Guarded(HttpToolsProtocol):
             extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
             extensions[CONNECTION] = self
 
+    def on_message_complete(self) -> None:
+        self._received += 1
+        super().on_message_complete()
+        if self._draining:  # the unread body has ended: the next request may begin
+            self._draining = False
+            self._disarm()
+            self._await_next()
+
     def on_response_complete(self) -> None:
         self._hangup = None
         self._answered += 1
@@ -323,6 +333,15 @@ class Guarded(HttpToolsProtocol):
         super().on_response_complete()
         if self._refused or pipelined or self.transport.is_closing():
             return
+        if self._received < self._answered:
+            # Answered before the body was read (a 401, a 429): httptools drops the rest
+            # of it, which is no header of a next request; it has header_timeout to end.
+            self._draining = True
+            self._deadline = self.loop.call_later(self.header_timeout, self.transport.close)
+            return
+        self._await_next()
+
+    def _await_next(self) -> None:
         # Idle until the next request is uvicorn's keep-alive timeout; its headers'
         # deadline starts with its first byte. One whose headers began arriving meanwhile
         # is not idle: its deadline runs from now.

@@ -157,6 +157,32 @@ def test_a_client_still_uploading_reads_its_413(gw: Gateway) -> None:
             "payload_too_large"
 
 
+def test_a_body_left_unread_by_an_early_answer_is_not_the_next_requests_headers(
+        gw: Gateway) -> None:
+    """A POST answered before its body was read (here a 404): the body that follows is
+    dropped as body, not counted against the next request's header cap (8 KiB here: it was
+    a 431 on a kept-alive connection), and the connection serves its next request."""
+    sock = connect(gw)
+    size = 200_000
+    sock.sendall(b"POST /v1/no-such-route HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+                 b"\r\ncontent-length: %d\r\n\r\n" % size)
+    assert one_reply(sock).startswith(b"HTTP/1.1 404 ")
+    sock.sendall(b"x" * size)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert one_reply(sock).startswith(b"HTTP/1.1 200 ")
+    sock.close()
+
+
+def test_a_body_left_unread_that_never_ends_closes_the_connection(gw: Gateway) -> None:
+    sock = connect(gw)
+    sock.sendall(b"POST /v1/no-such-route HTTP/1.1\r\nHost: x\r\ncontent-length: 1000"
+                 b"\r\n\r\nxx")
+    assert one_reply(sock).startswith(b"HTTP/1.1 404 ")
+    start = time.monotonic()
+    assert read_all(sock) == b""  # closed at the header deadline, not held forever
+    assert time.monotonic() - start < DEADLINE + 5
+
+
 def capped(tmp: Path, sim: Sim) -> Gateway:
     gw = Gateway(tmp, "max_connections = 8\nheader_timeout = 30\n" + backend_toml("a", sim.url),
                  name="capped")
