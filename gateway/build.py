@@ -39,8 +39,10 @@ from gateway.control.link import ControlLink, ForwardedAdmin
 from gateway.control.role import SINGLE, Kind, Role
 from gateway.control.server import WorkerTable
 from gateway.http.auth import Refusals
+from gateway.kv.fanout import Mirror, Publisher
 from gateway.kv.feed import Feeds
 from gateway.kv.index import Index
+from gateway.kv.known import Known
 from gateway.metrics import Metrics
 from gateway.observability import tracing
 from gateway.observability.access_log import RequestLog
@@ -99,7 +101,7 @@ class Serving:
     replies: ReplyCache
     degraded: Degraded
     queue: WaitQueue
-    feeds: Feeds | None  # routing.policy = "kv": the backends' KV events, indexed
+    feeds: Known | None  # routing.policy = "kv": the backends' KV caches, indexed
     waking: Waking  # requests waiting for an instance demand starts
 
 
@@ -124,6 +126,9 @@ class Parts:
     ledger: Ledger  # what each key used
     demand: Demand | None = None  # the control plane: instances started and stopped by demand
     batch: BatchService | None = None  # a serving process with Redis: /v1/files, /v1/batches
+    # routing.policy = "kv": what follows the events (one process alone, or the control
+    # process, which publishes its index), or a worker's copy of its control's index.
+    kv: Feeds | Publisher | Mirror | None = None
 
     @property
     def proxy(self) -> Proxy:
@@ -201,8 +206,10 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None
     gate, ledger = tenants(config, link, keyring, metrics)
+    kv = _kv(config, role)
     serving = None if role.kind is Kind.CONTROL else _request_path(  # it serves no request
-        config, pool, breakers, canary, gate, len(keyring.tenants), metrics, link, upstream)
+        config, pool, breakers, canary, gate, len(keyring.tenants), metrics, link, upstream,
+        kv.feeds if isinstance(kv, Publisher) else kv)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
     supervisors: dict[str, Supervisor] = {}
@@ -233,7 +240,20 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
         operators.ops.batches = batch.api.running
     return Parts(metrics, breakers, pool, canary, serving, probe,
                  checker, supervisors, status, reloadable, shared, operators, role, workers,
-                 control, keyring, ledger, demand, batch)
+                 control, keyring, ledger, demand, batch, kv)
+
+
+def _kv(config: Config, role: Role) -> Feeds | Publisher | Mirror | None:
+    """routing.policy = "kv": one process alone follows the backends' events; with
+    workers, the control process does and publishes its index, which each worker copies
+    (``gateway.kv.fanout``)."""
+    if config.routing.policy != "kv":
+        return None
+    processes = config.gateway.processes
+    if role.kind is Kind.WORKER and role.kv is not None:
+        return Mirror(Index(), role.kv, processes)
+    feeds = Feeds(Index(), processes=processes)
+    return Publisher(feeds) if role.kind is Kind.CONTROL else feeds
 
 
 def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
@@ -256,7 +276,7 @@ def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
 
 def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary: Canary,
                   gate: TenantGate, tenants: int, metrics: Metrics, link: RedisLink | None,
-                  upstream: Upstream | None) -> Serving:
+                  upstream: Upstream | None, feeds: Known | None) -> Serving:
     """A serving process's proxy and what only it uses: the request's plan (its one Redis
     round trip and its candidates) and the reply's parts, each built once here."""
     router = _router(config, pool, link, metrics, breakers)
@@ -273,8 +293,6 @@ def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary:
     tally = Tally(metrics, canary).attempt
     shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
     lookup = Lookup(link, router.store, arms.store, canary, responses, gate, router.made)
-    feeds = (Feeds(Index(), processes=config.gateway.processes)
-             if config.routing.policy == "kv" else None)
     cache = CacheLookup(feeds, upstream, pool) if feeds is not None else None
     plans = Planner(router, queue, arms, canary, shadow, lookup, pool, config.upstream,
                     metrics, tracer, tally, cache)

@@ -93,7 +93,8 @@ def _control_plane(config: Config, path: str, text: str | None) -> Plane:
         return embedded.url if embedded is not None else None
 
     return Plane(parts.workers, [*operators.admin.routes(), *operators.canary.routes()],
-                 lambda: Lifespan(parts, config)(None), redis_url)
+                 lambda: Lifespan(parts, config)(None), redis_url,
+                 getattr(parts.kv, "directory", None))
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -149,12 +149,11 @@ class Lifespan:
             loops.append(asyncio.create_task(parts.operators.ops.refresh(), name="gauges"))
         if parts.batch is not None:  # runs batches while this process holds the lease
             loops.append(asyncio.create_task(parts.batch.runner.run(), name="batch-runner"))
-        feeds = parts.serving.feeds if parts.serving is not None else None
-        if feeds is not None:  # each serving process indexes the events itself (for now)
+        if parts.kv is not None:  # the events followed, or (a worker) the control's index
             # An instance that went down (it may come back restarted, its cache empty) has
             # its feed stopped and its blocks dropped; back, its feed starts in step again.
             pool = parts.pool
-            loops.append(asyncio.create_task(feeds.run(lambda: {
+            loops.append(asyncio.create_task(parts.kv.run(lambda: {
                 b.name: e for b in pool.backends
                 if (e := b.spec.kv_endpoints) is not None and b.state in LIVE}),
                 name="kv-feeds"))

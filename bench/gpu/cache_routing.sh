@@ -22,7 +22,8 @@
 # ARMS, SECONDS_PER_ARM, RATE: the arm set (run in that order), seconds per arm, requests/s.
 # RATE_TO: the rate rises from RATE to it over each arm (the knee). TURNS: conversations of
 # that many questions, each with the history before it (MAX_TOKENS: each reply's length).
-# OUT: where a load's files go (one folder per load).
+# OUT: where a load's files go (one folder per load). WORKERS: the gateways' `workers`
+# (default "auto": one per core, at most 8).
 # SIM=1: simulators (`python -m gateway sim`, same ports, same KV events and cache size)
 # instead of vLLM, to check the whole flow on a machine without a GPU.
 set -uo pipefail
@@ -65,6 +66,7 @@ instance() {  # n (1..4): vLLM (or the simulator) on :800n, KV events on :555n, 
 
 gateway_config() {  # arm port
   printf '[gateway]\nlisten = "127.0.0.1:%s"\n' "$2"
+  [ -n "${WORKERS:-}" ] && printf 'workers = %s\n' "$WORKERS"
   printf '[redis]\ndata_dir = "%s/valkey-%s"\n[supervisor]\nlog_dir = "%s/logs/%s"\n' "$W" "$1" "$W" "$1"
   printf '[routing]\npolicy = "%s"\n' "$1"
   [ "$1" = kv ] && printf 'kv_header = true\n'

@@ -66,6 +66,7 @@ class Plane:
     routes: list[BaseRoute]  # the admin verbs and canary actions the workers forward
     lifespan: Callable[[], AbstractAsyncContextManager[object]]
     redis_url: Callable[[], str | None]  # the embedded valkey's, once the lifespan began
+    kv: str | None = None  # routing.policy = "kv": where the KV index is published
 
 
 class Control:
@@ -132,7 +133,7 @@ class Control:
         return server, task
 
     def _worker_env(self, control: str, private: str) -> dict[str, str]:
-        role = Role(Kind.WORKER, control, self._plane.redis_url())
+        role = Role(Kind.WORKER, control, self._plane.redis_url(), self._plane.kv)
         metrics = os.path.join(private, "metrics")
         os.mkdir(metrics)
         text = os.path.join(private, "config.toml")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 ROLE_ENV = "VLLM_GATEWAY_ROLE"  # "worker" in a serving worker's environment
 CONTROL_ENV = "VLLM_GATEWAY_CONTROL"  # the control socket's path
 REDIS_ENV = "VLLM_GATEWAY_REDIS"  # the URL of the Redis the control process started
+KV_ENV = "VLLM_GATEWAY_KV"  # the directory of the control process's KV index sockets
 
 
 class Kind(enum.Enum):
@@ -22,18 +23,22 @@ class Role:
     kind: Kind = Kind.SINGLE
     control: str | None = None  # a worker: the control socket
     redis_url: str | None = None  # a worker: the control process's embedded valkey
+    kv: str | None = None  # a worker: where its control process publishes the KV index
 
     @classmethod
     def from_env(cls) -> Role:
         if os.environ.get(ROLE_ENV) != Kind.WORKER.value:
             return cls()
-        return cls(Kind.WORKER, os.environ[CONTROL_ENV], os.environ.get(REDIS_ENV) or None)
+        return cls(Kind.WORKER, os.environ[CONTROL_ENV], os.environ.get(REDIS_ENV) or None,
+                   os.environ.get(KV_ENV) or None)
 
     def env(self) -> dict[str, str]:
         """What a worker's environment says of its role (the inverse of from_env)."""
         out = {ROLE_ENV: self.kind.value, CONTROL_ENV: self.control or ""}
         if self.redis_url:
             out[REDIS_ENV] = self.redis_url
+        if self.kv:
+            out[KV_ENV] = self.kv
         return out
 
 

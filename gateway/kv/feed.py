@@ -23,15 +23,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
-from gateway.kv.estimate import Checks, Estimate
 from gateway.kv.events import BadEvents, decode
 from gateway.kv.index import Index
-from gateway.kv.prefill import Prefill
+from gateway.kv.known import FeedCounts, Heard, Known, in_step
 
 log = logging.getLogger("gateway.kv")
 
@@ -39,24 +37,6 @@ END = b"\xff" * 8  # vLLM's end of a replay (-1 as 8 signed bytes)
 MAX_MESSAGE = 64 << 20  # a larger message is refused by ZMQ itself (the peer is cut off)
 REPLAY_WITHIN = 2.0  # seconds for a whole replay, else the gap is given up
 SYNC_WITHIN = 10.0  # seconds for the first replay (up to vLLM's whole buffer)
-LAG_LIMIT = 2.0  # seconds between a batch's sending (its ts) and its arrival: lagging
-UNSYNCED_FOR = 60.0  # seconds a backend that lost events is routed by the estimate
-EXACT, ESTIMATED, UNSYNCED, LAGGING, INEXACT = (
-    "exact", "estimated", "unsynced", "lagging", "inexact")
-STANDINGS = (EXACT, ESTIMATED, UNSYNCED, LAGGING, INEXACT)
-
-
-@dataclass
-class FeedCounts:
-    batches: int = 0
-    bad: int = 0  # frames or payloads that were not vLLM's: passed over
-    gaps: int = 0
-    replayed: int = 0  # batches a replay filled in
-    resets: int = 0  # the backend's blocks dropped: a restart, a gap no replay filled,
-    # or its feed stopped (the backend left the ready ones); kept across its feeds
-    last_event: float | None = None  # monotonic time of the last batch applied
-
-
 class Feed:
     def __init__(self, backend: str, index: Index, endpoint: str, replay: str | None = None,
                  context: zmq.asyncio.Context | None = None,
@@ -224,20 +204,13 @@ class Feed:
         return True
 
 
-class Feeds:
+class Feeds(Known):
     """A feed for every backend that publishes events, kept in step with the backends
     there are (a reload or a discovery adds and removes them): ``run`` looks every
-    ``every`` seconds. With them, what the request path knows of every backend's cache:
-    the index, the estimate, the checks of the index's predictions, and the prefill
-    still to do (``standing`` says which of index and estimate a backend is routed by)."""
+    ``every`` seconds."""
 
     def __init__(self, index: Index, every: float = 1.0, processes: int = 1) -> None:
-        self.index = index
-        self.estimate = Estimate()
-        self.checks = Checks()
-        self.prefill = Prefill(processes)
-        # Requests tokenized, routed by a conversation's earlier turn, and neither.
-        self.lookups = {"asked": 0, "remembered": 0, "unknown": 0}
+        super().__init__(index, processes)
         self.feeds: dict[str, Feed] = {}
         self._counts: dict[str, FeedCounts] = {}  # per backend, across its feeds
         self._tasks: dict[str, tuple[tuple[str, str | None], asyncio.Task[None]]] = {}
@@ -264,22 +237,12 @@ class Feeds:
                 self._tasks[name] = (endpoints, asyncio.get_running_loop().create_task(
                     feed.run(), name=f"kv-feed-{name}"))
 
-    def standing(self, backend: str) -> str:
-        """How ``backend`` is routed: ``exact`` (by the index), else by the estimate:
-        ``estimated`` (it sends no events), ``unsynced`` (not yet in step, or events lost
-        lately), ``lagging`` (its events come late) or ``inexact`` (the index's
-        predictions for it keep missing)."""
+    def heard(self) -> dict[str, Heard]:
+        return {name: _heard(feed) for name, feed in self.feeds.items()}
+
+    def heard_of(self, backend: str) -> Heard | None:
         feed = self.feeds.get(backend)
-        if feed is None:
-            return ESTIMATED
-        if not feed.synced or (feed.lost_at is not None
-                               and time.monotonic() - feed.lost_at < UNSYNCED_FOR):
-            return UNSYNCED
-        if feed.lag >= LAG_LIMIT:
-            return LAGGING
-        if self.checks.inexact(backend):
-            return INEXACT
-        return EXACT
+        return _heard(feed) if feed is not None else None
 
     async def run(self, wanted: Callable[[], dict[str, tuple[str, str | None]]]) -> None:
         try:
@@ -291,3 +254,7 @@ class Feeds:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _heard(feed: Feed) -> Heard:
+    return Heard(in_step(feed.synced, feed.lost_at), feed.lag, feed.counts)

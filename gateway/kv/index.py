@@ -5,7 +5,10 @@ event or from a request. vLLM's own block hashes (sha256 of a pickle, seeded per
 are only mapped to these keys per backend, for ``BlockRemoved``, never recomputed.
 
 Events are applied whole per batch by the control plane; ``match`` answers, for a
-request's keys, how many leading blocks each backend holds. An event whose parent block
+request's keys, how many leading blocks each backend holds. With a ``Journal`` the index
+also notes which keys changed holders, and ``changes`` says what they now are, so that the
+serving workers' copies (``hold``, ``release``: ``gateway.kv.fanout``) follow it without
+decoding the events again. An event whose parent block
 the index never saw (a gap, a replay that came too late) is dropped and counted; a backend
 that restarts, sleeps or resets its cache is dropped whole (``drop``).
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from gateway.kv.events import Batch, BlockHash, Cleared, Removed, Stored
 
 Key = bytes
+KEY_BYTES = 8  # a key's digest size: keys travel packed, end to end
 MAX_BLOCKS = 1 << 21  # per backend: beyond any real KV cache (2M blocks); more is a bad stream
 GUESS_FOR = 5.0  # seconds a dispatched prompt's blocks count before vLLM's events say so
 MAX_GUESSES = 1 << 18  # blocks guessed at once, over all backends; past it, all forgotten
@@ -28,7 +32,7 @@ MAX_GUESSES = 1 << 18  # blocks guessed at once, over all backends; past it, all
 
 def root(lora: str | None = None) -> Key:
     """The key a prompt's first block chains from: one per LoRA adapter (None: the base)."""
-    return hashlib.blake2b(b"lora:" + (lora or "").encode(), digest_size=8).digest()
+    return hashlib.blake2b(b"lora:" + (lora or "").encode(), digest_size=KEY_BYTES).digest()
 
 
 def chain(parent: Key, tokens: Sequence[int], extra: object = None) -> Key:
@@ -38,7 +42,7 @@ def chain(parent: Key, tokens: Sequence[int], extra: object = None) -> Key:
 
 def _chain(parent: Key, ids: bytes | memoryview, extra: object) -> Key:
     """``chain`` of a block's token ids as 32-bit machine words."""
-    h = hashlib.blake2b(parent, digest_size=8)
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
     h.update(ids)
     if extra is not None:
         h.update(repr(extra).encode())
@@ -83,6 +87,21 @@ class Counts:
 
 
 @dataclass
+class Journal:
+    """Which backends' keys changed holders since ``Index.changes`` was last asked, and
+    which backends were dropped whole; ``wake`` is called when a batch changed any."""
+
+    touched: dict[str, set[Key]] = field(default_factory=dict)
+    dropped: set[str] = field(default_factory=set)
+    wake: Callable[[], None] = lambda: None
+
+
+# A backend's changes: dropped whole first, its block size, the keys it now holds and the
+# keys it no longer holds (each packed, KEY_BYTES apiece).
+Change = tuple[bool, int, bytes, bytes]
+
+
+@dataclass
 class _Held:
     """One backend's blocks: vLLM's hash -> our key, and how many of its hashes map to
     each key (a block evicted and cached again may come back under another hash)."""
@@ -105,10 +124,15 @@ class Index:
         self._held: dict[str, _Held] = {}
         self._sizes: dict[str, int] = {}  # each backend's block size, as its events say
         self.counts = Counts()
+        self.journal: Journal | None = None
 
     def size(self, backend: str) -> int:
         """``backend``'s block size in tokens (0: no event from it yet)."""
         return self._sizes.get(backend, 0)
+
+    def backends(self) -> list[str]:
+        """The backends the index holds blocks of."""
+        return list(self._held)
 
     def blocks(self, backend: str) -> int:
         held = self._held.get(backend)
@@ -122,6 +146,8 @@ class Index:
                 self._removed(backend, event.hashes)
             elif isinstance(event, Cleared):
                 self.drop(backend)
+        if self.journal is not None:
+            self.journal.wake()
 
     def guess(self, backend: str, keys: Sequence[Key]) -> None:
         """``backend`` was just sent a prompt with these blocks: count them as held for
@@ -155,10 +181,69 @@ class Index:
         for stale in self._stale.values():
             stale.discard(backend)
         held = self._held.pop(backend, None)
+        if self.journal is not None:
+            self.journal.touched.pop(backend, None)
+            self.journal.dropped.add(backend)
+            self.journal.wake()
         if held is None:
             return
         for key in held.refs:
             self._release(key, backend)
+
+    def changes(self) -> dict[str, Change]:
+        """What the journal noted since the last call, as each backend's holdings are now
+        (a key held, then released, then held again is just held): applying them in order
+        to a copy (``follow``) makes it hold what this index holds."""
+        journal = self.journal
+        assert journal is not None
+        out: dict[str, Change] = {}
+        for backend in journal.dropped | journal.touched.keys():
+            refs = self._held[backend].refs if backend in self._held else {}
+            held, gone = [], []
+            for key in journal.touched.get(backend, ()):
+                (held if key in refs else gone).append(key)
+            out[backend] = (backend in journal.dropped, self.size(backend),
+                            b"".join(held), b"".join(gone))
+        journal.touched.clear()
+        journal.dropped.clear()
+        return out
+
+    def contents(self) -> dict[str, tuple[int, bytes]]:
+        """Every backend's block size and keys, packed: what a new copy starts from."""
+        return {backend: (self.size(backend), b"".join(held.refs))
+                for backend, held in self._held.items()}
+
+    def follow(self, changes: dict[str, Change]) -> None:
+        """A copy's side of ``changes``: this index then holds what the other did."""
+        for backend, (dropped, size, held, gone) in changes.items():
+            if dropped:
+                self.drop(backend)
+            if size:
+                self._sizes[backend] = size
+            self._hold(backend, held)
+            self._let_go(backend, gone)
+
+    def _hold(self, backend: str, packed: bytes) -> None:
+        refs = self._held.setdefault(backend, _Held()).refs
+        holders, stale = self._holders, self._stale
+        for i in range(0, len(packed), KEY_BYTES):
+            key = packed[i:i + KEY_BYTES]
+            if key not in refs:
+                refs[key] = 1
+                holders.setdefault(key, set()).add(backend)
+            if stale and key in stale:
+                stale[key].discard(backend)
+            self._unguess(key, backend)
+
+    def _let_go(self, backend: str, packed: bytes) -> None:
+        held = self._held.get(backend)
+        if held is None:
+            return
+        for i in range(0, len(packed), KEY_BYTES):
+            key = packed[i:i + KEY_BYTES]
+            if held.refs.pop(key, None) is not None:
+                self._release(key, backend)
+            self._unguess(key, backend)
 
     def match(self, keys: Iterable[Key]) -> dict[str, int]:
         """For each backend holding the first block: how many leading blocks it holds."""
@@ -206,6 +291,8 @@ class Index:
             if old is not None:
                 self._unref(held, old, backend)
             held.by_hash[block] = key
+            if self.journal is not None:
+                self.journal.touched.setdefault(backend, set()).add(key)
             held.refs[key] = held.refs.get(key, 0) + 1
             self._unguess(key, backend)  # known now: the events speak for it
             self._holders.setdefault(key, set()).add(backend)
@@ -236,6 +323,8 @@ class Index:
             held.refs[key] = left
             return
         del held.refs[key]
+        if self.journal is not None:
+            self.journal.touched.setdefault(backend, set()).add(key)
         self._release(key, backend)
 
     def _release(self, key: Key, backend: str) -> None:

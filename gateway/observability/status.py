@@ -10,7 +10,7 @@ from typing import Any
 from backends.backend import Backend, BackendState
 from backends.supervisor import Supervisor
 from gateway.canary.rollout import Canary
-from gateway.kv.feed import STANDINGS, Feeds
+from gateway.kv.known import STANDINGS, Known
 from gateway.metrics import Metrics
 from gateway.observability.trends import Trends, reader
 from gateway.resilience.breaker import STATE_VALUE, Breakers
@@ -24,7 +24,7 @@ class Status:
                  supervisors: Mapping[str, Supervisor], metrics: Metrics,
                  own: Callable[[], Mapping[str, Any]], trends: Trends | None = None,
                  replica: Callable[[], Mapping[str, Any]] | None = None,
-                 kv: Feeds | None = None) -> None:
+                 kv: Known | None = None) -> None:
         """``own``: this process's sessions pinned per backend (``pins``) and its recent
         degraded replies (``degraded``). ``replica``: in a serving worker, what only the
         whole replica tells (requests in flight and sessions pinned per backend, summed over
@@ -54,7 +54,7 @@ class Status:
         if self._kv is not None:
             self._feeds(self._kv)
 
-    def _feeds(self, kv: Feeds) -> None:
+    def _feeds(self, kv: Known) -> None:
         m = self._m
         for name, row in self._kv_rows(kv).items():
             for standing in STANDINGS:
@@ -66,26 +66,26 @@ class Status:
                 m.kv_blocks.labels(name).set(row["blocks"])
                 age = row["event_age_s"]
                 m.kv_event_age.labels(name).set(age if age is not None else -1)
-        for name, feed in kv.feeds.items():
+        for name, heard in kv.heard().items():
             for what in ("batches", "bad", "gaps", "replayed", "resets"):
-                m.kv_feed.labels(name, what).set(getattr(feed.counts, what))
+                m.kv_feed.labels(name, what).set(getattr(heard.counts, what))
         for result, n in kv.lookups.items():
             m.kv_lookups.labels(result).set(n)
 
-    def _kv_rows(self, kv: Feeds) -> dict[str, dict[str, Any]]:
+    def _kv_rows(self, kv: Known) -> dict[str, dict[str, Any]]:
         """What the kv policy knows of each backend's cache, for the metrics and the page."""
-        now, rows = time.monotonic(), {}
+        now, rows, events = time.monotonic(), {}, kv.heard()
         for b in self._pool.backends:
             rate = kv.prefill.rates.get(b.name)
             row: dict[str, Any] = {
                 "standing": kv.standing(b.name),
                 "prefill_rate": round(rate) if rate is not None else None,
                 "prefill_pending": kv.prefill.pending.get(b.name, 0)}
-            feed = kv.feeds.get(b.name)
-            if feed is not None:
-                last = feed.counts.last_event
-                row.update(blocks=kv.index.blocks(b.name), gaps=feed.counts.gaps,
-                           resets=feed.counts.resets, lag_s=round(feed.lag, 3),
+            heard = events.get(b.name)
+            if heard is not None:
+                last = heard.counts.last_event
+                row.update(blocks=kv.index.blocks(b.name), gaps=heard.counts.gaps,
+                           resets=heard.counts.resets, lag_s=round(heard.lag, 3),
                            event_age_s=round(now - last, 1) if last is not None else None)
             rows[b.name] = row
         return rows

@@ -20,7 +20,7 @@ import orjson
 
 from backends.backend import Backend
 from gateway.http.headers import upstream_request_headers
-from gateway.kv.feed import EXACT, INEXACT, Feeds
+from gateway.kv.known import EXACT, INEXACT, Known
 from gateway.kv.index import Key, home, keys
 from gateway.request.turns import Turns, conversation
 from gateway.routing.pool import BackendPool
@@ -56,7 +56,7 @@ class Prediction:
     (its blocks are guessed there and its prefill counted), when the first byte came
     (the prefill's rate measured) and what vLLM found (what it did not find is gone)."""
 
-    feeds: Feeds
+    feeds: Known
     cached: Cached
     partial: bool = False  # only the prompt's start is known: a hit is at least this
     events: dict[str, int] = field(default_factory=dict)  # backends whose index is judged
@@ -111,7 +111,7 @@ class Prediction:
 
 
 class CacheLookup:
-    def __init__(self, feeds: Feeds, upstream: Upstream, pool: BackendPool) -> None:
+    def __init__(self, feeds: Known, upstream: Upstream, pool: BackendPool) -> None:
         self.feeds = feeds
         self.turns = Turns()
         self._upstream = upstream

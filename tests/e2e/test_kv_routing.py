@@ -135,8 +135,9 @@ def test_lost_batches_are_replayed_or_their_backend_forgotten(
         results = ask(kv, 9, 3)
         assert all(r["predicted"] <= r["cached"] for r in results)
         what = "replayed" if replay else "resets"
-        assert max(metric(kv.url, "gateway_kv_feed", backend=f"{tag}{i}", what=what)
-                   for i in range(2)) >= 1
+        # The control process's feeds' counts reach the workers' gauges within a second.
+        wait_for(lambda: max(metric(kv.url, "gateway_kv_feed", backend=f"{tag}{i}", what=what)
+                             for i in range(2)) >= 1, 10, f"a batch {what}")
         if replay:
             assert exact(results) == len(results)
     finally:
