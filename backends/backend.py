@@ -43,6 +43,10 @@ class LoadReport:
     kv_usage: float | None = None  # 0-1
     prefix_hit_ratio: float | None = None  # since the previous scrape
     gpus: tuple[GpuReading, ...] = ()
+    # vllm:lora_requests_info (an instance with LoRA on): the adapters of the requests
+    # running, and how many adapters one batch may hold (--max-loras).
+    loras_running: tuple[str, ...] = ()
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

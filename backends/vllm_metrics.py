@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,33 @@ WANTED = {
     "vllm:prefix_cache_queries_total": "queries",
     "vllm:prefix_cache_hits_total": "hits",
 }
+
+
+LORA_INFO = "vllm:lora_requests_info{"
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def lora_info(text: str) -> tuple[tuple[str, ...], int | None]:
+    """The adapters of the requests running and ``max_lora``, from the newest sample of
+    ``vllm:lora_requests_info`` (each set of labels is a sample of its own, its value the
+    time vLLM set it); ``((), None)`` when the instance has no LoRA."""
+    newest, labels = -1.0, ""
+    for line in text.splitlines():
+        if line.startswith(LORA_INFO):
+            head, _, value = line.rpartition("} ")
+            with contextlib.suppress(ValueError):
+                if float(value.split(" ", 1)[0]) > newest:
+                    newest, labels = float(value.split(" ", 1)[0]), head
+    if newest < 0:
+        return (), None
+    found = dict(LABEL.findall(labels))
+    running = tuple(n for n in found.get("running_lora_adapters", "").split(",") if n)
+    limit = found.get("max_lora", "")
+    return running, int(limit) if limit.isdigit() else None
+
+
+def read(text: str) -> tuple[dict[str, float], tuple[tuple[str, ...], int | None]]:
+    return parse(text), lora_info(text)
 
 
 def parse(text: str) -> dict[str, float]:
@@ -102,7 +130,7 @@ class LoadScraper:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError):
             return  # the health checks judge liveness; a missed scrape keeps the last one
-        values = await asyncio.to_thread(parse, text)
+        values, (loras, max_loras) = await asyncio.to_thread(read, text)
         gpus: tuple[GpuReading, ...] = ()
         indices = backend.spec.monitored_gpus
         if self._nvml is not None and self._nvml.available and indices:
@@ -110,7 +138,7 @@ class LoadScraper:
         backend.load = LoadReport(
             running=values.get("running", 0.0), waiting=values.get("waiting", 0.0),
             kv_usage=values.get("kv_usage"), prefix_hit_ratio=self._hit_ratio(backend, values),
-            gpus=gpus)
+            gpus=gpus, loras_running=loras, max_loras=max_loras)
         if self._on_update is not None:
             self._on_update(backend)
 

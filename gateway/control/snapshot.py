@@ -35,7 +35,8 @@ def decode(data: Mapping[str, Any]) -> Life:
         int(data.get("restarts", 0)), frozenset(data.get("models") or ()),
         dict(data.get("cards") or {}),
         None if load is None else LoadReport(**{
-            **load, "gpus": tuple(GpuReading(**g) for g in load.get("gpus", ()))}),
+            **load, "gpus": tuple(GpuReading(**g) for g in load.get("gpus", ())),
+            "loras_running": tuple(load.get("loras_running", ()))}),
         str(data.get("last_probe", "none yet")), int(data.get("flaps", 0)),
         data.get("sleep_level"))
 

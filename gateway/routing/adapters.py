@@ -4,8 +4,9 @@ adapter, which of them have it loaded, and loading it where a request goes.
 An adapter is asked for by name like a model. Its candidates are the instances of its base
 that serve LoRA (``BackendSpec.serves_lora``); those that have it loaded come first while
 one of them has room (its own ``/v1/models`` lists it, or this process loaded it there
-lately), so that one adapter's traffic does not make every instance swap adapters in and
-out. Loading is vLLM's ``/v1/load_lora_adapter``, once per instance and adapter at a time:
+lately; those running it now before them, by vLLM's ``lora_requests_info``, then those with
+a free adapter slot), so that one adapter's traffic does not make every instance swap
+adapters in and out. Loading is vLLM's ``/v1/load_lora_adapter``, once per instance and adapter at a time:
 concurrent requests wait for the same load. What this process loaded counts for ``TRUST``
 seconds; after that the instance's own ``/v1/models`` says (scraped every health
 interval), so an instance that restarted (a url backend's too) has its adapter loaded
@@ -55,6 +56,16 @@ def _room(backend: Backend) -> bool:
     return backend.load is None or backend.load.waiting == 0
 
 
+def _running(backend: Backend, name: str) -> bool:
+    return backend.load is not None and name in backend.load.loras_running
+
+
+def _free_slot(backend: Backend, name: str) -> bool:
+    load = backend.load
+    return (load is not None and load.max_loras is not None
+            and len(load.loras_running) < load.max_loras)
+
+
 class Adapters:
     def __init__(self, specs: Sequence[AdapterSpec] = (), metrics: Metrics | None = None
                  ) -> None:
@@ -92,9 +103,15 @@ class Adapters:
                 or (life, name) in self._loading)
 
     def prefer(self, found: list[Backend], name: str) -> list[Backend]:
-        """The candidates for adapter ``name``: those that have it, while one has room."""
-        have = [b for b in found if self.on(b, name)]
-        return have if have and any(_room(b) for b in have) else found
+        """The candidates for adapter ``name``: those running it now (vLLM's
+        ``lora_requests_info``: it holds one of their batch's adapter slots), else those
+        that have it loaded, else those with a free adapter slot; the first of these of
+        which one has room, else all (the policy balances among them)."""
+        for tier in (_running, self.on, _free_slot):
+            chosen = [b for b in found if tier(b, name)]
+            if chosen and any(_room(b) for b in chosen):
+                return chosen
+        return found
 
     async def ensure(self, backend: Backend, name: str, upstream: Upstream) -> bool:
         """Adapter ``name`` loaded on ``backend`` (loading it now if it is not): True once

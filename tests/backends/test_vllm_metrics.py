@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from backends.backend import Backend, LoadReport
-from backends.vllm_metrics import Nvml, parse
+from backends.vllm_metrics import Nvml, lora_info, parse
 from gateway.routing.policies import LeastLoaded
 from tests import factories
 
@@ -48,3 +48,19 @@ def test_without_a_gpu_nvml_reports_nothing() -> None:
         pytest.skip("this machine has a GPU")
     nvml = Nvml()
     assert not nvml.available and nvml.read([0]) == ()
+
+
+# vLLM 0.32 (v1/metrics/loggers.py): every set of labels stays a sample of its own, its
+# value the time it was set; the newest says what runs now.
+LORA_PAGE = """# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1,a2",waiting_lora_adapters=""} 1.7650001e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="a3",waiting_lora_adapters="a1"} 1.7650002e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7650000e+09
+"""
+
+
+def test_the_adapters_running_are_read_from_the_newest_lora_sample() -> None:
+    assert lora_info(LORA_PAGE) == (("a3",), 2)
+    assert lora_info(PAGE) == ((), None)  # no LoRA: nothing said
+    assert parse(LORA_PAGE) == {}

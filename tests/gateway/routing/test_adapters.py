@@ -1,0 +1,37 @@
+"""Which instances of an adapter's base its requests go to (issue 41, point 2): those running
+it now (vLLM's ``lora_requests_info``), then those that have it loaded, then those with a
+free adapter slot, each tier only while one of its instances has room."""
+
+from __future__ import annotations
+
+from backends.backend import LoadReport
+from gateway.config.adapters import AdapterSpec
+from gateway.routing.adapters import Adapters
+from tests.factories import backend
+
+SPEC = AdapterSpec(name="a1", base="m", path="/srv/a1")
+
+
+def lora(name: str, running: tuple[str, ...] = (), models: tuple[str, ...] = ("m",),
+         waiting: float = 0) -> object:
+    return backend(name, f"http://127.0.0.1:{len(name) + 10}", ready=True, models=models,
+                   lora=True, load=LoadReport(waiting=waiting, loras_running=running,
+                                              max_loras=2))
+
+
+def test_an_instance_running_the_adapter_comes_before_one_that_only_has_it() -> None:
+    adapters = Adapters([SPEC])
+    running, loaded = lora("run", ("a1", "x")), lora("loaded", ("x", "y"), ("m", "a1"))
+    free = lora("free")
+    assert adapters.prefer([loaded, free, running], "a1") == [running]
+    assert adapters.prefer([loaded, free], "a1") == [loaded]
+    assert adapters.prefer([free, lora("full", ("x", "y"))], "a1") == [free]
+
+
+def test_a_tier_whose_instances_all_queue_gives_way_to_the_next() -> None:
+    adapters = Adapters([SPEC])
+    busy = lora("busy", ("a1",), waiting=3)
+    loaded, free = lora("loaded", ("x", "y"), ("m", "a1")), lora("free")
+    assert adapters.prefer([busy, loaded, free], "a1") == [loaded]
+    everyone = [lora("b1", ("x", "y"), waiting=1), lora("b2", ("x", "y"), waiting=1)]
+    assert adapters.prefer(everyone, "a1") == everyone  # no tier has room: the policy picks
