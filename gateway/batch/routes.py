@@ -280,7 +280,8 @@ class BatchApi:
             return _error(400, "limit must be a number.", "invalid_limit", "limit")
         records, more = await self._store.listed(kind, _owner(request), limit,
                                                  request.query_params.get("after"))
-        data = [shown(r) for r in records]
+        purpose = request.query_params.get("purpose") if kind == "f" else None
+        data = [shown(r) for r in records if purpose is None or r.get("purpose") == purpose]
         return JSONResponse({"object": "list", "data": data, "has_more": more,
                              "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None})

@@ -106,6 +106,16 @@ class Status:
             m.gpu_memory_total.labels(name, str(gpu.index)).set(gpu.memory_total)
             m.gpu_temperature.labels(name, str(gpu.index)).set(gpu.temperature)
 
+    def _adapters(self, backend: Backend) -> dict[str, Any] | None:
+        """A LoRA instance's adapters (issue 41): those it lists, those its batches run
+        now and its slots for them (vLLM's ``lora_requests_info``)."""
+        if not backend.spec.serves_lora:
+            return None
+        load, declared = backend.load, self._pool.adapters.specs
+        return {"loaded": sorted(m for m in backend.models if m in declared),
+                "running": list(load.loras_running) if load else [],
+                "slots": load.max_loras if load else None}
+
     def data(self) -> dict[str, Any]:
         now = time.monotonic()
         counts = self._replica() if self._replica is not None else {}
@@ -130,7 +140,7 @@ class Status:
                           "memory_total": g.memory_total, "temperature": g.temperature}
                          for g in load.gpus] if load else [],
                 "breaker": self._breakers.status(b.name), "last_probe": b.last_probe,
-                "models": sorted(b.models)})
+                "models": sorted(b.models), "adapters": self._adapters(b)})
         if self._kv is not None:
             kv = self._kv_rows(self._kv)
             for row in backends:

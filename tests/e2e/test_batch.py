@@ -105,6 +105,9 @@ def test_a_batch_runs_to_its_output_with_each_custom_id_once(tmp_path: Path, sim
         assert [(r["custom_id"], r["response"]["status_code"]) for r in errors] == [
             ("line-20", 404)]
         assert [b.id for b in sdk.batches.list()] == [batch.id]
+        assert [f.id for f in sdk.files.list(purpose="batch")] == [uploaded.id]
+        assert {f.id for f in sdk.files.list(purpose="batch_output")} == {
+            done.output_file_id, done.error_file_id}
         assert sdk.batches.retrieve(batch.id).metadata == {"job": "eval"}
         # 21 lines through a key of 5 requests a minute: none of its rpm taken, its
         # tokens counted apart from its interactive ones.

@@ -41,6 +41,12 @@ def sim(gw: Gateway, name: str, path: str) -> Any:
     return httpx.get(f"http://127.0.0.1:{port}{path}", timeout=5).json()
 
 
+def page(gw: Gateway) -> dict[str, Any]:
+    """Each backend's adapters, as the status page shows them."""
+    data = httpx.get(gw.url + "/dashboard/data", timeout=5).json()
+    return {b["name"]: b["adapters"] for b in data["backends"]}
+
+
 @pytest.fixture
 def gw(tmp_path: Path) -> Any:
     config = (supervisor_toml(tmp_path) + adapter(tmp_path, "a1") + adapter(tmp_path, "a2")
@@ -74,6 +80,9 @@ def test_an_adapter_is_listed_loaded_where_it_goes_and_answers_as_itself(gw: Gat
     assert {r.headers["x-gateway-backend"] for r in again} == {where}
     assert {r.json()["choices"][0]["message"]["content"] for r in again} == {
         first.json()["choices"][0]["message"]["content"]}
+    # The status page: each instance's adapters, as its /v1/models and metrics say.
+    wait_for(lambda: "a1" in page(gw)[where]["loaded"], 10, "a1 on the status page")
+    assert page(gw)[where]["slots"] == 2 and "a1" not in page(gw)[other]["loaded"]
 
 
 def test_requests_at_once_load_an_adapter_once(gw: Gateway) -> None:
