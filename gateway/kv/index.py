@@ -199,7 +199,8 @@ class Index:
         out: dict[str, Change] = {}
         for backend in journal.dropped | journal.touched.keys():
             refs = self._held[backend].refs if backend in self._held else {}
-            held, gone = [], []
+            held: list[Key] = []
+            gone: list[Key] = []
             for key in journal.touched.get(backend, ()):
                 (held if key in refs else gone).append(key)
             out[backend] = (backend in journal.dropped, self.size(backend),

@@ -20,8 +20,8 @@ import orjson
 
 from backends.backend import Backend
 from gateway.http.headers import upstream_request_headers
-from gateway.kv.known import EXACT, INEXACT, Known
 from gateway.kv.index import Key, home, keys
+from gateway.kv.known import EXACT, INEXACT, Known
 from gateway.request.turns import Turns, conversation
 from gateway.routing.pool import BackendPool
 from gateway.types import Cached, Request

@@ -52,12 +52,13 @@ def test_without_a_gpu_nvml_reports_nothing() -> None:
 
 # vLLM 0.32 (v1/metrics/loggers.py): every set of labels stays a sample of its own, its
 # value the time it was set; the newest says what runs now.
-LORA_PAGE = """# HELP vllm:lora_requests_info Running stats on lora requests.
-# TYPE vllm:lora_requests_info gauge
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1,a2",waiting_lora_adapters=""} 1.7650001e+09
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="a3",waiting_lora_adapters="a1"} 1.7650002e+09
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7650000e+09
-"""
+LORA = 'vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{}",' \
+    'waiting_lora_adapters="{}"}} {}\n'
+LORA_PAGE = ("# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+             "# TYPE vllm:lora_requests_info gauge\n"
+             + LORA.format("a1,a2", "", "1.7650001e+09")
+             + LORA.format("a3", "a1", "1.7650002e+09")
+             + LORA.format("", "", "1.7650000e+09"))
 
 
 def test_the_adapters_running_are_read_from_the_newest_lora_sample() -> None:

@@ -98,7 +98,7 @@ def test_changes_applied_twice_change_nothing() -> None:
     assert answers(copy) == answers(index)
 
 
-def run(test: "asyncio.coroutines.Coroutine[object, object, None]") -> None:
+def run(test: asyncio.coroutines.Coroutine[object, object, None]) -> None:
     asyncio.run(asyncio.wait_for(test, 30))
 
 
@@ -128,8 +128,8 @@ def test_workers_copy_the_control_index_over_zmq(tmp_path: Path) -> None:
         for task in (*tasks, control):
             task.cancel()
         await asyncio.gather(*tasks, control, return_exceptions=True)
-        assert not tmp_path.exists()  # the sockets' directory is removed
     run(test())
+    assert not tmp_path.exists()  # the sockets' directory is removed
 
 
 def test_a_workers_standing_is_the_controls_until_the_control_is_not_heard(
