@@ -7,9 +7,9 @@ one of them has room (its own ``/v1/models`` lists it, or this process loaded it
 lately; those running it now before them, by vLLM's ``lora_requests_info``, then those
 with a free adapter slot), so that one adapter's traffic does not make every instance
 swap adapters in and out. Loading is vLLM's ``/v1/load_lora_adapter``, once per instance
-and adapter at a time: concurrent requests wait for the same load. What this process loaded counts for ``TRUST``
-seconds; after that the instance's own ``/v1/models`` says (scraped every health
-interval), so an instance that restarted (a url backend's too) has its adapter loaded
+and adapter at a time: concurrent requests wait for the same load. What this process
+loaded counts for ``TRUST`` seconds; after that the instance's own ``/v1/models`` says
+(scraped every health interval), so an instance that restarted (a url backend's too) has its adapter loaded
 again by the next request. No path from a client ever reaches an instance: only declared
 adapters are loaded, from their declared path."""
 
