@@ -9,9 +9,9 @@ with a free adapter slot), so that one adapter's traffic does not make every ins
 swap adapters in and out. Loading is vLLM's ``/v1/load_lora_adapter``, once per instance
 and adapter at a time: concurrent requests wait for the same load. What this process
 loaded counts for ``TRUST`` seconds; after that the instance's own ``/v1/models`` says
-(scraped every health interval), so an instance that restarted (a url backend's too) has its adapter loaded
-again by the next request. No path from a client ever reaches an instance: only declared
-adapters are loaded, from their declared path."""
+(scraped every health interval), so an instance that restarted (a url backend's too) has
+its adapter loaded again by the next request. No path from a client ever reaches an
+instance: only declared adapters are loaded, from their declared path."""
 
 from __future__ import annotations
 
