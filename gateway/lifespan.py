@@ -147,6 +147,10 @@ class Lifespan:
             loops.append(asyncio.create_task(parts.link.run(), name="control-link"))
         if kind is not Kind.CONTROL:
             loops.append(asyncio.create_task(parts.operators.ops.refresh(), name="gauges"))
+        if parts.serving is not None:  # LoRA adapters preloaded, and removed ones unloaded
+            loops.append(asyncio.create_task(parts.pool.adapters.upkeep(
+                lambda: parts.pool.backends, parts.serving.upstream,
+                self._config.health.interval), name="adapters"))
         if parts.batch is not None:  # runs batches while this process holds the lease
             loops.append(asyncio.create_task(parts.batch.runner.run(), name="batch-runner"))
         if parts.kv is not None:  # the events followed, or (a worker) the control's index

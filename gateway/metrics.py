@@ -131,6 +131,10 @@ class Metrics:
             "gateway_adapter_loads_total", "LoRA adapter loads the gateway asked of an "
             "instance, by result: loaded, refused (vLLM answered an error), failed (no answer)",
             ("backend", "adapter", "result"))
+        self.adapter_unloads = counter(
+            "gateway_adapter_unloads_total", "LoRA adapters a reload removed, unloaded "
+            "from the instances that had them, by result: unloaded, failed",
+            ("backend", "adapter", "result"))
         self.adapter_load_time = histogram(
             "gateway_adapter_load_seconds", "Time vLLM took to load a LoRA adapter",
             ("adapter",), (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))

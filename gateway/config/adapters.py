@@ -37,6 +37,8 @@ class AdapterSpec(BaseModel):
         min_length=1, max_length=4096,
         description="its directory (adapter_config.json, weights), as the instances read it")
     base: str = Field(min_length=1, description="the model it adapts (as instances serve it)")
+    preload: bool = Field(False, description="loaded on each instance of its base once it "
+                          "is ready, rather than with its first request there")
 
 
 def rank(path: str) -> int | None:

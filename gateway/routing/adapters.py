@@ -16,10 +16,11 @@ instance: only declared adapters are loaded, from their declared path."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import orjson
 
@@ -66,10 +67,29 @@ def _free_slot(backend: Backend, name: str) -> bool:
             and len(load.loras_running) < load.max_loras)
 
 
+async def _post(backend: Backend, path: str, body: bytes,
+                upstream: Upstream) -> tuple[int, bytes]:
+    """One of vLLM's adapter routes on ``backend``: its status and (up to 64 KiB) answer."""
+    headers = [(b"content-type", b"application/json")]  # the client sets the length
+    if backend.spec.api_key is not None:
+        token = backend.spec.api_key.get_secret_value()
+        headers.append((b"authorization", b"Bearer " + token.encode()))
+    async with asyncio.timeout(LOAD_TIMEOUT):
+        reply = await upstream.request("POST", backend.url + path, headers, body)
+        answer = b""
+        try:
+            while len(answer) < 65536 and (chunk := await reply.read()):
+                answer += chunk
+        finally:
+            await reply.aclose(reuse=len(answer) < 65536)
+    return reply.status, answer
+
+
 class Adapters:
     def __init__(self, specs: Sequence[AdapterSpec] = (), metrics: Metrics | None = None
                  ) -> None:
         self.specs: dict[str, AdapterSpec] = {}
+        self.retired: set[str] = set()
         self.declare(specs)
         self._metrics = metrics
         self._loaded: dict[Life, dict[str, float]] = {}  # this process's loads: name -> when
@@ -77,8 +97,12 @@ class Adapters:
         self.loads: Counter[tuple[str, str, str]] = Counter()  # (backend, adapter, result)
 
     def declare(self, specs: Sequence[AdapterSpec]) -> None:
-        """The ``[[adapters]]`` (at start and at each reload)."""
-        self.specs = {a.name: a for a in specs}
+        """The ``[[adapters]]`` (at start and at each reload). One a reload removes is
+        ``retired``: no longer routed nor listed, and unloaded (``tend``) while any
+        instance still lists it, until it is declared again."""
+        new = {a.name: a for a in specs}
+        self.retired = (self.retired | (self.specs.keys() - new.keys())) - new.keys()
+        self.specs = new
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -136,27 +160,15 @@ class Adapters:
         """True: loaded; False: no answer in time; None: vLLM refused it."""
         name = spec.name
         body = orjson.dumps({"lora_name": name, "lora_path": spec.path})
-        headers = [(b"content-type", b"application/json")]  # the client sets the length
-        if backend.spec.api_key is not None:
-            token = backend.spec.api_key.get_secret_value()
-            headers.append((b"authorization", b"Bearer " + token.encode()))
         began = time.monotonic()
         try:
-            async with asyncio.timeout(LOAD_TIMEOUT):
-                reply = await upstream.request(
-                    "POST", backend.url + "/v1/load_lora_adapter", headers, body)
-                answer = b""
-                try:
-                    while len(answer) < 65536 and (chunk := await reply.read()):
-                        answer += chunk
-                finally:
-                    await reply.aclose(reuse=len(answer) < 65536)
+            status, answer = await _post(backend, "/v1/load_lora_adapter", body, upstream)
         except (UpstreamError, TimeoutError) as exc:
             log.warning("backend %s: adapter %s not loaded: %s", backend.name, name,
                         exc or type(exc).__name__)
             self._count(backend, name, "failed")
             return False
-        if reply.status == 200 or (reply.status == 400 and LOADED in answer):
+        if status == 200 or (status == 400 and LOADED in answer):
             self._loaded.setdefault(life, {})[name] = time.monotonic()
             for old in [k for k in self._loaded if k[0] == life[0] and k != life]:
                 del self._loaded[old]  # an earlier run of that instance: forgotten
@@ -167,9 +179,52 @@ class Adapters:
             log.info("backend %s: adapter %s loaded in %.2f s", backend.name, name, took)
             return True
         log.warning("backend %s: adapter %s not loaded: vLLM answered %d", backend.name,
-                    name, reply.status)
+                    name, status)
         self._count(backend, name, "refused")
         return None
+
+    async def upkeep(self, backends: Callable[[], Sequence[Backend]], upstream: Upstream,
+                     every: float) -> None:
+        """Every ``every`` seconds (a serving process): ``tend``."""
+        while True:
+            await self.tend(backends(), upstream)
+            await asyncio.sleep(every)
+
+    async def tend(self, backends: Sequence[Backend], upstream: Upstream) -> None:
+        """Adapters with ``preload`` loaded on every routable LoRA instance of their base
+        that has not got them (one started, or restarted, since); adapters a reload
+        removed unloaded from the instances that still list them, or where this process
+        loaded them."""
+        jobs = []
+        for backend in backends:
+            if not (backend.routable and backend.spec.serves_lora):
+                continue
+            jobs += [self._preload(backend, name, upstream)
+                     for name, spec in self.specs.items()
+                     if spec.preload and backend.serves(spec.base)
+                     and not self.on(backend, name)]
+            jobs += [self._unload(backend, name, upstream) for name in self.retired
+                     if backend.serves(name) or name in self._loaded.get(_life(backend), {})]
+        await asyncio.gather(*jobs)
+
+    async def _preload(self, backend: Backend, name: str, upstream: Upstream) -> None:
+        with contextlib.suppress(AdapterRefused):  # said and counted: tried again later
+            await self.ensure(backend, name, upstream)
+
+    async def _unload(self, backend: Backend, name: str, upstream: Upstream) -> None:
+        try:
+            status, _ = await _post(backend, "/v1/unload_lora_adapter",
+                                    orjson.dumps({"lora_name": name}), upstream)
+        except (UpstreamError, TimeoutError):
+            status = 0
+        done = status in (200, 404)  # 404: not there (another worker unloaded it)
+        if done:
+            self._loaded.get(_life(backend), {}).pop(name, None)
+            log.info("backend %s: adapter %s, removed from the config, unloaded",
+                     backend.name, name)
+        if self._metrics is not None:
+            self._metrics.adapter_unloads.labels(
+                backend.name, name, "unloaded" if done else "failed").inc()
 
     def _count(self, backend: Backend, name: str, result: str) -> None:
         self.loads[backend.name, name, result] += 1

@@ -58,6 +58,8 @@ class BackendPool:
             return False
         if self.adapters.specs and model in self.adapters.specs:
             return self.adapters.serves(b, model)
+        if model in self.adapters.retired:
+            return False  # removed by a reload: unloaded, whatever instances still list
         return b.serves(self.names.served(model, b.spec.group) if self.names else model)
 
     def candidates(self, model: str, group: str | None = None) -> list[Backend]:
@@ -132,7 +134,8 @@ class BackendPool:
                 merged.setdefault(name, {"id": name, "object": "model", "created": 0,
                                          "owned_by": "vllm", "root": adapter.path,
                                          "parent": adapter.base})
-        return dict(sorted(merged.items()))
+        return {name: card for name, card in sorted(merged.items())
+                if name not in self.adapters.retired}
 
     @property
     def ready(self) -> bool:

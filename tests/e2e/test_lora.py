@@ -126,3 +126,39 @@ def test_an_adapter_vllm_refuses_gets_a_503_and_opens_no_breaker(gw: Gateway,
             for b in status(gw).values()} == {"closed"}
     assert {ask(gw, "sim-model").status_code for _ in range(4)} == {200}
     assert metric(gw.url, "gateway_adapter_loads_total", result="refused") >= 1
+
+
+def listed(gw: Gateway, name: str) -> set[str]:
+    return {m["id"] for m in sim(gw, name, "/v1/models")["data"]}
+
+
+def test_an_adapter_a_reload_removes_is_refused_and_unloaded(gw: Gateway) -> None:
+    first = ask(gw, "a1")
+    assert first.status_code == 200
+    where = first.headers["x-gateway-backend"]
+    assert "a1" in listed(gw, where)
+    text = gw.config_path.read_text()
+    gw.config_path.write_text(text.replace('\n[[adapters]]\nname = "a1"', '\n[[adapters]]\n'
+                                           'name = "a9"', 1))
+    assert httpx.post(gw.url + "/admin/reload", json={"who": "test"},
+                      timeout=30).status_code == 200
+    reply = ask(gw, "a1")  # still listed by its instance, but no longer declared
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+    assert "a1" not in {m["id"] for m in httpx.get(gw.url + "/v1/models").json()["data"]}
+    wait_for(lambda: "a1" not in listed(gw, where), 20, "a1 unloaded from its instance")
+    assert metric(gw.url, "gateway_adapter_unloads_total", backend=where, adapter="a1",
+                  result="unloaded") >= 1
+    assert ask(gw, "a2").status_code == 200  # the others as before
+
+
+def test_a_preloaded_adapter_is_on_every_instance_before_any_request(tmp_path: Path) -> None:
+    config = (supervisor_toml(tmp_path) + adapter(tmp_path, "p1") + "preload = true\n"
+              + adapter(tmp_path, "p2") + spawned("s1", SIM_LORA) + spawned("s2", SIM_LORA))
+    gateway = Gateway(tmp_path, config, name="lora-preload")
+    try:
+        wait_for(lambda: all("p1" in listed(gateway, n) for n in ("s1", "s2")), 40,
+                 "p1 loaded on both instances")
+        assert not any("p2" in listed(gateway, n) for n in ("s1", "s2"))  # on demand only
+        assert ask(gateway, "p1").status_code == 200
+    finally:
+        gateway.stop()
