@@ -41,8 +41,9 @@ class Opener:
         try:
             # A LoRA adapter is loaded there first (AdapterRefused, raised, counts against
             # no breaker; an instance that did not answer is another attempt's to try).
-            if adapters and request.model in adapters and not await self._pool.adapters.ensure(
-                    backend, request.model, self._upstream):
+            adapter = self._pool.served(backend, request.model) if adapters else None
+            if adapter in adapters and not await self._pool.adapters.ensure(
+                    backend, adapter, self._upstream):
                 return None
             reply = await self._upstream.request(request.method, backend.url + request.path,
                                                  headers, body)

@@ -53,14 +53,20 @@ class BackendPool:
         so the request body, the reply rewrite, shadows and ``/v1/models`` all follow."""
         self.names = ModelNames(routes)
 
+    def served(self, b: Backend, model: str) -> str:
+        """What ``b`` serves the client's ``model`` as (a ``[[models]]`` alias resolved:
+        a model, or a LoRA adapter)."""
+        return self.names.served(model, b.spec.group) if self.names else model
+
     def _serves(self, b: Backend, model: str, group: str | None) -> bool:
         if group is not None and b.spec.group != group:
             return False
-        if self.adapters.specs and model in self.adapters.specs:
-            return self.adapters.serves(b, model)
-        if model in self.adapters.retired:
+        served = self.served(b, model)
+        if self.adapters.specs and served in self.adapters.specs:
+            return self.adapters.serves(b, served)
+        if served in self.adapters.retired:
             return False  # removed by a reload: unloaded, whatever instances still list
-        return b.serves(self.names.served(model, b.spec.group) if self.names else model)
+        return b.serves(served)
 
     def candidates(self, model: str, group: str | None = None) -> list[Backend]:
         """Backends that may take a request for the client's ``model`` now (in ``group``
@@ -68,8 +74,10 @@ class BackendPool:
         adapter, those that have it loaded first: ``Adapters.prefer``)."""
         found = [b for b in self.backends
                  if b.routable and self._serves(b, model, group) and self.allows(b)]
-        if found and self.adapters.specs and model in self.adapters.specs:
-            return self.adapters.prefer(found, model)
+        if found and self.adapters.specs:
+            served = {self.served(b, model) for b in found}
+            if len(served) == 1 and (adapter := served.pop()) in self.adapters.specs:
+                return self.adapters.prefer(found, adapter)
         return found
 
     def ejected(self, model: str, group: str | None = None) -> list[Backend]:
@@ -85,13 +93,20 @@ class BackendPool:
         """The spawned backends of ``model`` (of its base, for a LoRA adapter) that demand
         starts and stops (issue 39), in any state: known by what they are configured to
         serve before they first ran."""
-        base = self.adapters.base(model) if self.adapters.specs else None
+        base = None
+        if self.adapters.specs:  # an adapter, by its name or a [[models]] alias of it
+            base = next((self.adapters.base(s) for s in self._aliases(model)
+                         if s in self.adapters.specs), None)
         if base is not None:
             return [b for b in self.backends if b.on_demand and b.spec.serves_lora
                     and b.spec.spawn is not None and b.spec.spawn.name_served == base]
         return [b for b in self.backends if b.on_demand and (
             self._configured(b, model)
             or any(self.names.client(b.spec.group, m) == model for m in b.models))]
+
+    def _aliases(self, model: str) -> set[str]:
+        """What ``model`` is served as, in any group."""
+        return {model} | {self.names.served(model, b.spec.group) for b in self.backends}
 
     def _configured(self, b: Backend, model: str) -> bool:
         """A spawned backend is configured to serve ``model`` (by the name clients use)."""
@@ -129,11 +144,12 @@ class BackendPool:
                         seen.get("max_model_len"), int):
                     seen["max_model_len"] = min(seen["max_model_len"], limit)
         for name, adapter in self.adapters.specs.items():  # as vLLM lists one it loaded
-            if any(_listed(b) and b.spec.serves_lora and adapter.base in _serving(b)
-                   for b in self.backends):
-                merged.setdefault(name, {"id": name, "object": "model", "created": 0,
-                                         "owned_by": "vllm", "root": adapter.path,
-                                         "parent": adapter.base})
+            for b in self.backends:  # by the name clients use (a [[models]] alias of it)
+                if _listed(b) and b.spec.serves_lora and adapter.base in _serving(b):
+                    client = self.names.client(b.spec.group, name)
+                    merged.setdefault(client, {
+                        "id": client, "object": "model", "created": 0, "owned_by": "vllm",
+                        "root": adapter.path, "parent": adapter.base})
         return {name: card for name, card in sorted(merged.items())
                 if name not in self.adapters.retired}
 

@@ -162,3 +162,27 @@ def test_a_preloaded_adapter_is_on_every_instance_before_any_request(tmp_path: P
         assert ask(gateway, "p1").status_code == 200
     finally:
         gateway.stop()
+
+
+def test_a_models_alias_of_an_adapter_routes_loads_and_answers_as_the_adapter(
+        tmp_path: Path) -> None:
+    """``[[models]]`` maps a name clients use to an adapter (per group, as a canary would
+    map it to the adapter's next version): it is loaded, answered by, and listed under
+    the alias."""
+    config = (supervisor_toml(tmp_path) + adapter(tmp_path, "a1")
+              + '\n[[models]]\nname = "support"\ngroups = { stable = "a1" }\n'
+              + spawned("s1", SIM_LORA))
+    gateway = Gateway(tmp_path, config, name="lora-alias")
+    try:
+        wait_for(lambda: status(gateway)["s1"]["state"] == "ready", 30, "s1 ready")
+        cards = {m["id"]: m for m in httpx.get(gateway.url + "/v1/models").json()["data"]}
+        assert cards["support"]["parent"] == "sim-model"
+        aliased = ask(gateway, "support")
+        assert aliased.status_code == 200, aliased.text
+        assert aliased.json()["model"] == "support"
+        assert "a1" in listed(gateway, "s1")
+        assert aliased.json()["choices"][0]["message"]["content"] == \
+            ask(gateway, "a1").json()["choices"][0]["message"]["content"] != \
+            ask(gateway, "sim-model").json()["choices"][0]["message"]["content"]
+    finally:
+        gateway.stop()
