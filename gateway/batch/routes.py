@@ -6,6 +6,7 @@ Every record belongs to the key that made it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
@@ -207,9 +208,13 @@ class BatchApi:
         problem = await self._refused(asked, owner)
         if isinstance(problem, Response):
             return problem
-        created = now()
+        created, batch_id = now(), new_id("batch_")
+        limit = self._settings.max_open_batches
+        if not await self._store.reserve(batch_id, owner, limit):
+            return _error(429, f"This key has {limit} batches open; wait for one to end.",
+                          "too_many_batches")
         record = {
-            "id": new_id("batch_"), "object": "batch", "endpoint": asked["endpoint"],
+            "id": batch_id, "object": "batch", "endpoint": asked["endpoint"],
             "errors": None, "input_file_id": asked["input_file_id"],
             "completion_window": asked["completion_window"], "status": "validating",
             "output_file_id": None, "error_file_id": None, "created_at": created,
@@ -219,8 +224,13 @@ class BatchApi:
             "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": problem, "completed": 0, "failed": 0},
             "metadata": asked.get("metadata"), "_owner": owner}
-        await self._store.put("b", record, new=True)
-        await self._store.opened(record["id"], owner, True)
+        try:
+            await self._store.put("b", record, new=True)
+            await self._store.opened(batch_id, owner, True)
+        except BaseException:
+            with contextlib.suppress(StoreUnavailable):  # no batch: the count given back
+                await self._store.opened(batch_id, owner, False)
+            raise
         return JSONResponse(shown(record))
 
     async def _refused(self, asked: dict[str, Any], owner: str) -> Response | int:
@@ -247,9 +257,6 @@ class BatchApi:
         if set(source["_routes"]) != {endpoint}:
             return _error(400, f"Every line of the file must call {endpoint}.",
                           "mismatched_endpoint", "endpoint")
-        if len(await self._store.open_batches(owner)) >= self._settings.max_open_batches:
-            return _error(429, f"This key has {self._settings.max_open_batches} batches "
-                          "open; wait for one to end.", "too_many_batches")
         return int(source["_lines"])
 
     async def _batches(self, request: Request) -> Response:

@@ -123,6 +123,17 @@ class Store:
             commands.append((verb, f"{self._p}open:{owner}", batch_id))
         await self._run(*commands)
 
+    async def reserve(self, batch_id: str, owner: str, limit: int) -> bool:
+        """``batch_id`` counted among ``owner``'s open batches if that keeps them within
+        ``limit``: added, then counted, and taken back when over (two creates at once may
+        both be refused, never both pass the limit)."""
+        key = f"{self._p}open:{owner}"
+        _, count = await self._run(("SADD", key, batch_id), ("SCARD", key))
+        if int(count) <= limit:
+            return True
+        await self._run(("SREM", key, batch_id))
+        return False
+
     async def open_batches(self, owner: str | None = None) -> list[str]:
         key = f"{self._p}open" + (f":{owner}" if owner is not None else "")
         (ids,) = await self._run(("SMEMBERS", key))

@@ -347,3 +347,31 @@ def test_interactive_requests_go_before_batch_lines(tmp_path: Path) -> None:
 
 def _seconds(ts: str) -> float:
     return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def test_creates_at_once_never_pass_the_open_batch_limit(tmp_path: Path) -> None:
+    """32 creates sent at once by a key allowed two open batches: two are made, the
+    others get a 429 (the count is reserved in Redis before the batch is written)."""
+    slow = Sim(tmp_path, "slow", "--ttft", "60")  # the batches stay open
+    gw = gateway(tmp_path, slow, extra="max_open_batches = 2\n")
+    try:
+        sdk = client(gw)
+        uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(2))), purpose="batch")
+
+        def create(_: int) -> int:
+            reply = httpx.post(gw.url + "/v1/batches", timeout=30, json={
+                "input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
+                "completion_window": "24h"}, headers={"authorization": "Bearer sk-alice-key"})
+            return reply.status_code
+
+        with ThreadPoolExecutor(32) as pool:
+            codes = sorted(pool.map(create, range(32)))
+        assert codes.count(200) <= 2 and set(codes) <= {200, 429}, codes
+        made = len(sdk.batches.list().data)
+        assert made == codes.count(200) >= 1
+        while codes.count(200) < 2:  # refused together: the room is still there
+            codes.append(create(0))
+        assert create(0) == 429 and len(sdk.batches.list().data) == 2
+    finally:
+        gw.stop()
+        slow.stop()

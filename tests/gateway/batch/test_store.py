@@ -1,0 +1,42 @@
+"""The batch store's count of a key's open batches, against a real valkey-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.batch.store import Store
+from gateway.metrics import Metrics
+from gateway.state.link import RedisLink
+from tests.gateway.state.test_link import client_for
+from tests.helpers import RedisServer
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path)
+    yield s
+    s.stop()
+
+
+def test_reservations_at_once_never_pass_the_limit(server: RedisServer, tmp_path: Path) -> None:
+    """Forty creates of one key reserving at once (a key allowed 3 open batches): at most
+    3 reserved, and those refused leave no trace; later ones fill the room left."""
+    async def main() -> None:
+        link = RedisLink(client_for(server), "t:", 1.0, Metrics())
+        store = Store(link, str(tmp_path))
+        got = await asyncio.gather(*(store.reserve(f"batch_{i}", "alice", 3)
+                                     for i in range(40)))
+        held = await store.open_batches("alice")
+        assert sum(got) <= 3 and len(held) == sum(got)
+        assert sorted(f"batch_{i}" for i, ok in enumerate(got) if ok) == held
+        n = sum(got)
+        while n < 3:
+            n += await store.reserve(f"more_{n}", "alice", 3)
+        assert not await store.reserve("one_more", "alice", 3)
+        assert await store.reserve("bobs", "bob", 3)  # each key its own count
+        await link.aclose()
+    asyncio.run(main())
