@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,14 @@ def _id(request: Request) -> str:
 
 
 def _owner(request: Request) -> str:
-    return str(request.scope.get(TENANT, ANONYMOUS).name)
+    return str(request.scope.get(TENANT, ANONYMOUS).who)
 
 
 class BatchApi:
-    def __init__(self, store: Store, settings: BatchSection, idle: float) -> None:
+    def __init__(self, store: Store, settings: BatchSection, idle: float,
+                 name_of: Callable[[str], str] = str) -> None:
         self._store = store
+        self._name_of = name_of  # an owner's key name, for the status page
         self._settings = settings
         self._idle = idle  # seconds an upload may send nothing
 
@@ -106,7 +109,7 @@ class BatchApi:
             records = await self._store.open_records()
         except StoreUnavailable:
             return []
-        return [{"id": r["id"], "key": r["_owner"], "status": r["status"],
+        return [{"id": r["id"], "key": self._name_of(r["_owner"]), "status": r["status"],
                  "endpoint": r["endpoint"], "created_at": r["created_at"],
                  "expires_at": r["expires_at"], **r["request_counts"]} for r in records]
 

@@ -35,7 +35,7 @@ from gateway.http.auth import TENANT
 from gateway.metrics import Metrics
 from gateway.routing.pool import BackendPool
 from gateway.routing.queue import WaitQueue
-from gateway.tenants.keyring import Tenant
+from gateway.tenants.keyring import Keyring, Tenant
 from gateway.types import BATCH_BAND
 
 log = logging.getLogger("gateway.batch")
@@ -58,7 +58,7 @@ def window_seconds(text: str) -> int | None:
 
 class Runner:
     def __init__(self, store: Store, proxy: ASGIApp, pool: BackendPool, queue: WaitQueue,
-                 tenants: Callable[[], dict[str, Tenant]], concurrency: int,
+                 tenants: Callable[[], Keyring], concurrency: int,
                  metrics: Metrics) -> None:
         self.store = self._store = store
         self.metrics = metrics
@@ -180,8 +180,10 @@ class Runner:
     async def _call(self, owner: str, line: Line) -> tuple[int, bytes, str]:
         body = orjson.dumps(line.body)
         rid = os.urandom(16).hex()
-        key = self._tenants().get(owner)
-        tenant = Tenant(owner, key.models if key is not None else frozenset(), BATCH_BAND)
+        keyring = self._tenants()
+        key = keyring.owners.get(owner)
+        tenant = Tenant(keyring.name_of(owner), key.models if key is not None else frozenset(),
+                        BATCH_BAND, owner=owner)
         scope: dict[str, Any] = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
             "method": "POST", "scheme": "http", "path": line.url,

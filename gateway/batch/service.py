@@ -34,6 +34,6 @@ def make(settings: BatchSection, data_dir: str, idle: float, link: RedisLink | N
     if not settings.enabled or link is None:
         return None
     store = Store(link, settings.dir or str(Path(data_dir).parent / "batch"))
-    return BatchService(BatchApi(store, settings, idle),
-                        Runner(store, proxy, pool, queue, lambda: keyring.tenants,
+    return BatchService(BatchApi(store, settings, idle, keyring.name_of),
+                        Runner(store, proxy, pool, queue, lambda: keyring,
                                settings.concurrency, metrics))

@@ -27,6 +27,14 @@ class Tenant:
     rpm: int = 0
     tpm: int = 0
     max_concurrent: int = 0
+    # What owns the files and batches it makes (``who``): its name, or for a key of the
+    # flat list, whose name is its place there (a place another key may take after an
+    # edit), a digest of the key itself.
+    owner: str = ""
+
+    @property
+    def who(self) -> str:
+        return self.owner or self.name
 
     @property
     def limited(self) -> bool:
@@ -37,6 +45,13 @@ class Tenant:
 
 
 ANONYMOUS = Tenant("anonymous")  # every caller of a gateway without keys
+FLAT_OWNER = "api_keys#"
+
+
+def flat_owner(key: str) -> str:
+    """A flat-list key's owner: stable wherever it moves in the list, and not the key."""
+    digest = hashlib.blake2b(key.encode(), digest_size=10, person=b"vgw-batch-owner")
+    return FLAT_OWNER + digest.hexdigest()
 
 
 def _tenant(spec: KeySpec) -> Tenant:
@@ -51,12 +66,23 @@ class Keyring:
     def replace(self, keys: Sequence[KeySpec], flat: Sequence[SecretStr] = ()) -> None:
         """Take the keys of a reloaded config (every holder of this keyring sees them at
         once; a request already admitted keeps its tenant)."""
-        entries = [(s.get_secret_value(), Tenant(f"api_keys.{i}")) for i, s in enumerate(flat)]
+        entries = [(s.get_secret_value(), Tenant(f"api_keys.{i}",
+                                                  owner=flat_owner(s.get_secret_value())))
+                   for i, s in enumerate(flat)]
         entries += [(spec.key.get_secret_value(), _tenant(spec)) for spec in keys]
         self._plain = [(k.encode(), t) for k, t in entries if not k.startswith(DIGEST)]
         self._digests = [(k[len(DIGEST):].encode(), t) for k, t in entries
                          if k.startswith(DIGEST)]
         self.tenants = {t.name: t for _, t in entries}
+        self.owners = {t.who: t for _, t in entries}
+
+    def name_of(self, owner: str) -> str:
+        """The name of the key that owns what ``owner`` made (for views and accounting;
+        a flat key no longer configured is ``api_keys.removed``, never its digest)."""
+        tenant = self.owners.get(owner)
+        if tenant is not None:
+            return tenant.name
+        return "api_keys.removed" if owner.startswith(FLAT_OWNER) else owner
 
     @classmethod
     def of(cls, keys: Sequence[str]) -> Keyring:

@@ -375,3 +375,24 @@ def test_creates_at_once_never_pass_the_open_batch_limit(tmp_path: Path) -> None
     finally:
         gw.stop()
         slow.stop()
+
+
+def test_a_flat_keys_files_stay_its_own_when_the_list_changes(tmp_path: Path,
+                                                               sim: Sim) -> None:
+    """``api_keys`` are named by their place in the list; what one makes is owned by the
+    key itself, so the key that takes its place after an edit finds nothing of it."""
+    gw = gateway(tmp_path, sim, front='api_keys = ["sk-first-key", "sk-second-key"]\n')
+    try:
+        first = client(gw, "sk-first-key")
+        mine = first.files.create(file=("in.jsonl", io.BytesIO(jsonl(2))), purpose="batch")
+        gw.config_path.write_text(gw.config_path.read_text().replace(
+            '"sk-first-key", "sk-second-key"', '"sk-second-key", "sk-first-key"'))
+        assert httpx.post(gw.url + "/admin/reload", json={"who": "test"},
+                          timeout=30).status_code == 200
+        second = client(gw, "sk-second-key")  # now api_keys.0, as sk-first-key was
+        assert second.files.list().data == []
+        with pytest.raises(openai.NotFoundError):
+            second.files.retrieve(mine.id)
+        assert [f.id for f in first.files.list()] == [mine.id]  # api_keys.1 now: its own
+    finally:
+        gw.stop()
