@@ -70,11 +70,11 @@ async def one(session: aiohttp.ClientSession, base: str, model: str, n: int,
             async for chunk in resp.content.iter_any():
                 if ttft is None and b'"content"' in chunk:
                     ttft = time.perf_counter() - began
-            status = resp.status
+            status, backend = resp.status, resp.headers.get("x-gateway-backend")
     except (aiohttp.ClientError, TimeoutError) as exc:
         return {"model": model, "ok": False, "status": 0, "error": repr(exc)[:200]}
     return {"model": model, "ok": status == 200 and ttft is not None, "status": status,
-            "ttft": ttft, "total": time.perf_counter() - began}
+            "ttft": ttft, "total": time.perf_counter() - began, "backend": backend}
 
 
 def _append(path: str, text: str) -> None:

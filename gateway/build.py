@@ -201,7 +201,8 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     breakers = Breakers(config.breaker, [spec.name for spec in _fixed(config)],
                         [MetricsListener(metrics)])
     pool = BackendPool([Backend(spec) for spec in _fixed(config)], breakers.allows,
-                       ModelNames(config.models), Adapters(config.adapters, metrics))
+                       ModelNames(config.models), Adapters(config.adapters, metrics,
+                                                          config.routing.adapter_affinity))
     canary = Canary(config.canary, metrics)
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None

@@ -125,7 +125,7 @@ async def apply(parts: Reloadable, old: Config, new: Config, who: str) -> dict[s
     removed += [b for name, b in before.items() if name not in wanted]
     parts.pool.replace(backends)
     parts.pool.remap(new.models)
-    parts.pool.adapters.declare(new.adapters)
+    parts.pool.adapters.declare(new.adapters, new.routing.adapter_affinity)
     retiring = {b.name: _retire(parts, b) for b in removed}
     for backend in added:
         parts.breakers.add(backend.name)

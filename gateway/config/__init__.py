@@ -168,6 +168,10 @@ class RoutingSection(Section):
     # Move a session off its backend when that one carries more than this times the
     # average load; 0 = never.
     session_max_load_factor: float = Field(default=0.0, ge=0.0)
+    # LoRA adapters (issue 41): an adapter's requests prefer the instances running it, then
+    # those that have it loaded, then those with a free slot; false: any instance of its
+    # base, as the policy picks (a baseline for bench/gpu/lora.sh).
+    adapter_affinity: bool = True
 
 
 class BreakerSection(Section):

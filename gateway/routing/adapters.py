@@ -86,23 +86,24 @@ async def _post(backend: Backend, path: str, body: bytes,
 
 
 class Adapters:
-    def __init__(self, specs: Sequence[AdapterSpec] = (), metrics: Metrics | None = None
-                 ) -> None:
+    def __init__(self, specs: Sequence[AdapterSpec] = (), metrics: Metrics | None = None,
+                 affinity: bool = True) -> None:
         self.specs: dict[str, AdapterSpec] = {}
         self.retired: set[str] = set()
-        self.declare(specs)
+        self.declare(specs, affinity)
         self._metrics = metrics
         self._loaded: dict[Life, dict[str, float]] = {}  # this process's loads: name -> when
         self._loading: dict[tuple[Life, str], asyncio.Future[bool | None]] = {}
         self.loads: Counter[tuple[str, str, str]] = Counter()  # (backend, adapter, result)
 
-    def declare(self, specs: Sequence[AdapterSpec]) -> None:
+    def declare(self, specs: Sequence[AdapterSpec], affinity: bool = True) -> None:
         """The ``[[adapters]]`` (at start and at each reload). One a reload removes is
         ``retired``: no longer routed nor listed, and unloaded (``tend``) while any
         instance still lists it, until it is declared again."""
         new = {a.name: a for a in specs}
         self.retired = (self.retired | (self.specs.keys() - new.keys())) - new.keys()
         self.specs = new
+        self.affinity = affinity  # routing.adapter_affinity: ``prefer`` orders, or not
 
     def __bool__(self) -> bool:
         return bool(self.specs)
@@ -130,7 +131,10 @@ class Adapters:
         """The candidates for adapter ``name``: those running it now (vLLM's
         ``lora_requests_info``: it holds one of their batch's adapter slots), else those
         that have it loaded, else those with a free adapter slot; the first of these of
-        which one has room, else all (the policy balances among them)."""
+        which one has room, else all (the policy balances among them). Without
+        ``affinity``, all."""
+        if not self.affinity:
+            return found
         for tier in (_running, self.on, _free_slot):
             chosen = [b for b in found if tier(b, name)]
             if chosen and any(_room(b) for b in chosen):

@@ -35,3 +35,9 @@ def test_a_tier_whose_instances_all_queue_gives_way_to_the_next() -> None:
     assert adapters.prefer([busy, loaded, free], "a1") == [loaded]
     everyone = [lora("b1", ("x", "y"), waiting=1), lora("b2", ("x", "y"), waiting=1)]
     assert adapters.prefer(everyone, "a1") == everyone  # no tier has room: the policy picks
+
+
+def test_without_affinity_every_instance_of_the_base_is_a_candidate() -> None:
+    adapters = Adapters([SPEC], affinity=False)
+    found = [lora("run", ("a1",)), lora("free")]
+    assert adapters.prefer(found, "a1") == found
