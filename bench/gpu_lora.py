@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.gpu_sleep import one, pct, zipf_weights
+from bench.gpu_sleep import _append, one, pct, zipf_weights
 
 SERIES = re.compile(r'^(gateway_adapter_[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$')
 
@@ -67,8 +67,8 @@ async def arm(args: argparse.Namespace) -> dict[str, Any]:
     after = await asyncio.to_thread(scrape, args.gateway)
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     if args.requests:
-        with open(args.requests, "a") as out:
-            out.write("".join(json.dumps({"arm": args.arm, **r}) + "\n" for r in rows))
+        await asyncio.to_thread(_append, args.requests, "".join(
+            json.dumps({"arm": args.arm, **r}) + "\n" for r in rows))
     ok = [r for r in rows if r["ok"]]
     ttfts = [r["ttft"] for r in ok]
     spread: dict[str, set[str]] = defaultdict(set)
