@@ -127,8 +127,11 @@ class CacheLookup:
             return None
         # Any candidate renders as the others: spread the work over them.
         asked = candidates[hash(request.request_id) % len(candidates)]
-        card = asked.cards.get(request.model, {})
-        lora = request.model if card.get("parent") else None  # a LoRA adapter's name
+        # A LoRA adapter's blocks chain from its own root: by the name vLLM knows it by (a
+        # [[models]] alias resolved), declared or listed with a parent.
+        served = self._pool.served(asked, request.model)
+        adapter = served in self._pool.adapters.specs
+        lora = served if adapter or asked.cards.get(served, {}).get("parent") else None
         names = [b.name for b in candidates]
         talk = conversation(request.model, request.payload) if request.path == CHAT else None
         known = self.turns.recall(talk) if talk is not None else None

@@ -17,6 +17,7 @@ from gateway.kv.feed import Feed, Feeds
 from gateway.kv.index import Index
 from gateway.kv.prefill import PRIOR
 from gateway.request.cache import CacheLookup
+from tests import factories
 from tests.fakes import FakeUpstream, Reply, always, call, completion
 from tests.gateway.kv.wire import encode, recorded, stored
 from tests.gateway.proxy.test_proxy import A, B, gateway
@@ -300,3 +301,30 @@ def test_a_conversations_later_turns_are_routed_by_its_history_without_tokenizin
     third = {**second, "messages": [*second["messages"], {"role": "assistant", "content": "c"},
                                     {"role": "user", "content": "x" * 25}]}
     assert served_by(parts, third) == "b:40" and len(asked) == 2  # 29 of 71 new: asked
+
+
+def test_an_adapters_prompt_is_keyed_by_the_adapter_also_through_an_alias() -> None:
+    """A request for a declared adapter, or for a ``[[models]]`` alias of it, finds the
+    blocks vLLM cached under the adapter's name (its events' ``lora_name``), even on an
+    instance that does not list the adapter yet."""
+    upstream = FakeUpstream({A: always(completion("x"))}, tokenizers={A: tokenizer(PROMPT)})
+    parts = gateway(upstream, {"name": "a", "url": A, "lora": True},
+                    routing={"sticky": False, "policy": "kv"},
+                    adapters=[{"name": "ad", "base": "m", "path": "/srv/ad"}],
+                    models=[{"name": "support", "groups": {"stable": "ad"}}])
+    feeds = fed(parts, "a")
+    feeds.index.apply("a", decode(encode([stored([3, 4], PROMPT[:8], lora_name="ad",
+                                                 extra_keys=[["ad"], ["ad"]])])))
+    lookup = CacheLookup(feeds, upstream, parts.pool)
+
+    async def cached(model: str) -> int:
+        request = factories.request(model=model, payload={**BODY, "model": model})
+        prediction = await lookup(request, None)
+        assert prediction is not None
+        return prediction.cached.get("a", 0)
+
+    async def main() -> None:
+        assert await cached("ad") == 8
+        assert await cached("support") == 8
+        assert await cached("m") == 0  # the base model's blocks are its own
+    asyncio.run(main())
