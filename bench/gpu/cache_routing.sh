@@ -66,7 +66,7 @@ instance() {  # n (1..4): vLLM (or the simulator) on :800n, KV events on :555n, 
 
 gateway_config() {  # arm port
   printf '[gateway]\nlisten = "127.0.0.1:%s"\n' "$2"
-  [ -n "${WORKERS:-}" ] && printf 'workers = %s\n' "$WORKERS"
+  case "${WORKERS:-}" in '') ;; *[!0-9]*) printf 'workers = "%s"\n' "$WORKERS" ;; *) printf 'workers = %s\n' "$WORKERS" ;; esac
   printf '[redis]\ndata_dir = "%s/valkey-%s"\n[supervisor]\nlog_dir = "%s/logs/%s"\n' "$W" "$1" "$W" "$1"
   printf '[routing]\npolicy = "%s"\n' "$1"
   [ "$1" = kv ] && printf 'kv_header = true\n'

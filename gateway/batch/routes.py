@@ -288,10 +288,11 @@ class BatchApi:
                                int(request.query_params.get("limit", "20"))))
         except ValueError:
             return _error(400, "limit must be a number.", "invalid_limit", "limit")
-        records, more = await self._store.listed(kind, _owner(request), limit,
-                                                 request.query_params.get("after"))
         purpose = request.query_params.get("purpose") if kind == "f" else None
-        data = [shown(r) for r in records if purpose is None or r.get("purpose") == purpose]
+        records, more = await self._store.listed(
+            kind, _owner(request), limit, request.query_params.get("after"),
+            (lambda r: r.get("purpose") == purpose) if purpose is not None else None)
+        data = [shown(r) for r in records]
         return JSONResponse({"object": "list", "data": data, "has_more": more,
                              "first_id": data[0]["id"] if data else None,
                              "last_id": data[-1]["id"] if data else None})

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,14 @@ def new_id(kind: str) -> str:
 
 def shown(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if not k.startswith(PRIVATE)}
+
+
+# KEYS[1]: a key's open batches; ARGV: the batch's id, the limit.
+RESERVE = """
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 class Store:
@@ -87,18 +96,28 @@ class Store:
         record: dict[str, Any] = orjson.loads(raw)
         return record if owner is None or record.get("_owner") == owner else None
 
-    async def listed(self, kind: str, owner: str, limit: int, after: str | None
+    async def listed(self, kind: str, owner: str, limit: int, after: str | None,
+                     keep: Callable[[dict[str, Any]], bool] | None = None
                      ) -> tuple[list[dict[str, Any]], bool]:
-        """The owner's records, newest first, after the id ``after``; and whether more
-        follow."""
+        """The owner's records (those ``keep`` keeps), newest first, after the id
+        ``after``; and whether more follow (a full page when they do)."""
         (ids,) = await self._run(("ZREVRANGE", f"{self._p}{kind}o:{owner}", 0, -1))
         names = [i.decode() if isinstance(i, bytes) else i for i in ids]
         if after is not None and after in names:
             names = names[names.index(after) + 1:]
-        page = names[:limit]
-        found = await self._run(*(("GET", f"{self._p}{kind}:{n}") for n in page)) if page else []
-        records = [orjson.loads(raw) for raw in found if raw is not None]
-        return records, len(names) > limit
+        records: list[dict[str, Any]] = []
+        at = 0
+        while at < len(names) and len(records) < limit:
+            chunk = names[at:at + max(limit - len(records), 100 if keep else 0)]
+            found = await self._run(*(("GET", f"{self._p}{kind}:{n}") for n in chunk))
+            for raw in found:
+                at += 1
+                record = orjson.loads(raw) if raw is not None else None
+                if record is not None and (keep is None or keep(record)):
+                    records.append(record)
+                    if len(records) == limit:
+                        break
+        return records, at < len(names)
 
     async def remove(self, kind: str, record: dict[str, Any]) -> bool:
         """False when another call removed it first."""
@@ -125,14 +144,10 @@ class Store:
 
     async def reserve(self, batch_id: str, owner: str, limit: int) -> bool:
         """``batch_id`` counted among ``owner``'s open batches if that keeps them within
-        ``limit``: added, then counted, and taken back when over (two creates at once may
-        both be refused, never both pass the limit)."""
-        key = f"{self._p}open:{owner}"
-        _, count = await self._run(("SADD", key, batch_id), ("SCARD", key))
-        if int(count) <= limit:
-            return True
-        await self._run(("SREM", key, batch_id))
-        return False
+        ``limit``, counted and added in one script (creates at once never pass it)."""
+        (ok,) = await self._run(("EVAL", RESERVE, 1, f"{self._p}open:{owner}", batch_id,
+                                 limit))
+        return bool(ok)
 
     async def open_batches(self, owner: str | None = None) -> list[str]:
         key = f"{self._p}open" + (f":{owner}" if owner is not None else "")

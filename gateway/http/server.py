@@ -308,6 +308,11 @@ class Guarded(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._begun += 1
         self.door.idle.pop(self, None)
+        self._unset_keepalive_if_required()  # one set as a drained body ended, in this read
+        if self._reading_headers and self._deadline is None:
+            # Begun in the read that ended a drained body (its bytes were not counted as
+            # headers, nor did they arm the deadline): the deadline runs from here.
+            self._arm()
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
@@ -325,6 +330,9 @@ class Guarded(HttpToolsProtocol):
             self._draining = False
             self._disarm()
             self._await_next()
+            if self.timeout_keep_alive_task is None:  # the body's bytes cancelled uvicorn's
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def on_response_complete(self) -> None:
         self._hangup = None

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.kv.feed import Feeds
-from gateway.kv.index import Index, Journal
+from gateway.kv.index import KEY_BYTES, Index, Journal
 from gateway.kv.known import FeedCounts, Heard, Known
 
 log = logging.getLogger("gateway.kv")
@@ -44,6 +44,7 @@ STATUS_EVERY = 0.5
 STALE = 3.0  # seconds without a status: the control process is not heard
 COPY_WITHIN = 2.0
 HWM = 100_000  # messages queued per worker before the PUB socket drops (a copy follows)
+COPY_CHUNK = 20_000  # keys of a whole copy applied between two turns of the event loop
 
 
 def _status(feeds: Known) -> dict[str, list[Any]]:
@@ -82,6 +83,9 @@ class Publisher:
             tasks = [asyncio.create_task(self.feeds.run(wanted), name="kv-feeds"),
                      asyncio.create_task(self._answer(copy), name="kv-copies")]
             await self._publish(pub)
+        except Exception:  # the workers then route every backend by the estimate
+            log.exception("kv index: no longer published to the workers")
+            raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -167,6 +171,10 @@ class Mirror(Known):
             kind, seq, payload = frames[0], int.from_bytes(frames[1], "big"), frames[2]
             if kind == STATUS:
                 self._hear(msgspec.msgpack.decode(payload))
+                if self._seq is not None and seq > self._seq:  # changes missed, none since
+                    log.info("kv index copy: changes to %d missed; asking for the whole "
+                             "index", seq)
+                    self._seq = None
             elif self._seq is not None and seq == self._seq + 1:
                 self.index.follow(msgspec.msgpack.decode(payload))
                 self._seq = seq
@@ -201,8 +209,11 @@ class Mirror(Known):
             dealer.close()
         for backend in self.index.backends():
             self.index.drop(backend)
-        self.index.follow({name: (True, size, keys, b"")
-                           for name, (size, keys) in whole["index"].items()})
+        step = COPY_CHUNK * KEY_BYTES
+        for name, (size, keys) in whole["index"].items():  # in parts: requests go on
+            for at in range(0, max(1, len(keys)), step):
+                self.index.follow({name: (False, size, keys[at:at + step], b"")})
+                await asyncio.sleep(0)
         self._hear(whole["heard"])
         self._seq = int.from_bytes(frames[0], "big")
         self.copies += 1

@@ -57,14 +57,21 @@ def _room(backend: Backend) -> bool:
     return backend.load is None or backend.load.waiting == 0
 
 
+def _loras(backend: Backend) -> tuple[str, ...]:
+    """The adapters ``backend``'s batches run now. vLLM sets ``lora_requests_info`` only
+    at an engine step: an idle instance keeps saying its last step's, so none then."""
+    load = backend.load
+    return load.loras_running if load is not None and load.running else ()
+
+
 def _running(backend: Backend, name: str) -> bool:
-    return backend.load is not None and name in backend.load.loras_running
+    return name in _loras(backend)
 
 
 def _free_slot(backend: Backend, name: str) -> bool:
     load = backend.load
     return (load is not None and load.max_loras is not None
-            and len(load.loras_running) < load.max_loras)
+            and len(_loras(backend)) < load.max_loras)
 
 
 async def _post(backend: Backend, path: str, body: bytes,
@@ -191,7 +198,10 @@ class Adapters:
                      every: float) -> None:
         """Every ``every`` seconds (a serving process): ``tend``."""
         while True:
-            await self.tend(backends(), upstream)
+            try:
+                await self.tend(backends(), upstream)
+            except Exception:  # a bad round must not end the upkeep
+                log.exception("adapters: preloads and unloads of this round failed")
             await asyncio.sleep(every)
 
     async def tend(self, backends: Sequence[Backend], upstream: Upstream) -> None:
@@ -210,6 +220,10 @@ class Adapters:
             jobs += [self._unload(backend, name, upstream) for name in self.retired
                      if backend.serves(name) or name in self._loaded.get(_life(backend), {})]
         await asyncio.gather(*jobs)
+        for name in list(self.retired):  # unloaded everywhere: no longer watched
+            if not any(b.serves(name) or name in self._loaded.get(_life(b), {})
+                       for b in backends):
+                self.retired.discard(name)
 
     async def _preload(self, backend: Backend, name: str, upstream: Upstream) -> None:
         with contextlib.suppress(AdapterRefused):  # said and counted: tried again later

@@ -135,7 +135,7 @@ class BackendPool:
         for b in self.backends:
             if not _listed(b):
                 continue
-            for served in sorted(_serving(b)):
+            for served in sorted(_serving(b) - self.adapters.retired):
                 name = self.names.client(b.spec.group, served)
                 card = b.cards.get(served) or {"object": "model", "created": 0,
                                                "owned_by": "vllm", "root": served}

@@ -173,6 +173,30 @@ def test_a_body_left_unread_by_an_early_answer_is_not_the_next_requests_headers(
     sock.close()
 
 
+def test_after_an_unread_body_the_next_requests_headers_have_their_deadline(
+        gw: Gateway) -> None:
+    """The end of a body nobody read and the start of the next request in one write,
+    then silence: the next request's header deadline holds, and an idle connection's
+    keep-alive timeout."""
+    sock = connect(gw)
+    sock.sendall(b"POST /v1/no-such-route HTTP/1.1\r\nHost: x\r\ncontent-length: 20000"
+                 b"\r\n\r\n")
+    assert one_reply(sock).startswith(b"HTTP/1.1 404 ")
+    sock.sendall(b"x" * 20000 + b"GET /healthz HTTP/1.1\r\nX-Slow: ")
+    start = time.monotonic()
+    reply = read_all(sock)  # closed at the deadline (its header bytes came uncounted)
+    assert reply == b"" or reply.startswith(b"HTTP/1.1 408 "), reply[:80]
+    assert time.monotonic() - start < DEADLINE + 5
+    idle = connect(gw)
+    idle.sendall(b"POST /v1/no-such-route HTTP/1.1\r\nHost: x\r\ncontent-length: 20000"
+                 b"\r\n\r\n")
+    assert one_reply(idle).startswith(b"HTTP/1.1 404 ")
+    idle.sendall(b"x" * 20000)  # then nothing more: closed once idle for the keep-alive
+    start = time.monotonic()
+    assert read_all(idle) == b""
+    assert time.monotonic() - start < IDLE + 5
+
+
 def test_a_body_left_unread_that_never_ends_closes_the_connection(gw: Gateway) -> None:
     sock = connect(gw)
     sock.sendall(b"POST /v1/no-such-route HTTP/1.1\r\nHost: x\r\ncontent-length: 1000"

@@ -40,3 +40,31 @@ def test_reservations_at_once_never_pass_the_limit(server: RedisServer, tmp_path
         assert await store.reserve("bobs", "bob", 3)  # each key its own count
         await link.aclose()
     asyncio.run(main())
+
+
+def test_a_filtered_listing_pages_through_every_match(server: RedisServer,
+                                                      tmp_path: Path) -> None:
+    """Files of two purposes, listed by one of them two at a time: each page is full while
+    more follow, and paging by the last id finds every match once, newest first."""
+    async def main() -> None:
+        link = RedisLink(client_for(server), "t:", 1.0, Metrics())
+        store = Store(link, str(tmp_path))
+        for i in range(12):  # mostly outputs, as after a few batches
+            await store.put("f", {"id": f"file-{i:024x}", "_owner": "alice", "created_at": i,
+                                  "purpose": "batch" if i % 4 == 0 else "batch_output"},
+                            new=True)
+        seen, after, more = [], None, True
+
+        def keep(record: dict[str, object]) -> bool:
+            return record["purpose"] == "batch"
+
+        while more:
+            page, more = await store.listed("f", "alice", 2, after, keep)
+            assert len(page) == 2 or not more
+            seen += [r["id"] for r in page]
+            after = page[-1]["id"] if page else None
+        assert seen == [f"file-{i:024x}" for i in (8, 4, 0)]
+        everything, more = await store.listed("f", "alice", 5, None)
+        assert len(everything) == 5 and more
+        await link.aclose()
+    asyncio.run(main())

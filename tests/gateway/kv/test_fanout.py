@@ -125,6 +125,8 @@ def test_workers_copy_the_control_index_over_zmq(tmp_path: Path) -> None:
         work.step()
         await until(lambda: early.copies == 2 and late.copies == 2, 10)
         await until(lambda: answers(late.index) == answers(feeds.index), 10)
+        publisher._seq += 1  # missed, and no change follows: the status says so
+        await until(lambda: early.copies == 3 and late.copies == 3, 10)
         for task in (*tasks, control):
             task.cancel()
         await asyncio.gather(*tasks, control, return_exceptions=True)

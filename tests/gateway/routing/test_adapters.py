@@ -15,7 +15,8 @@ SPEC = AdapterSpec(name="a1", base="m", path="/srv/a1")
 def lora(name: str, running: tuple[str, ...] = (), models: tuple[str, ...] = ("m",),
          waiting: float = 0) -> object:
     return backend(name, f"http://127.0.0.1:{len(name) + 10}", ready=True, models=models,
-                   lora=True, load=LoadReport(waiting=waiting, loras_running=running,
+                   lora=True, load=LoadReport(running=len(running), waiting=waiting,
+                                              loras_running=running,
                                               max_loras=2))
 
 
@@ -41,3 +42,14 @@ def test_without_affinity_every_instance_of_the_base_is_a_candidate() -> None:
     adapters = Adapters([SPEC], affinity=False)
     found = [lora("run", ("a1",)), lora("free")]
     assert adapters.prefer(found, "a1") == found
+
+
+def test_an_idle_instance_runs_no_adapter_whatever_its_last_step_said() -> None:
+    """vLLM sets lora_requests_info at engine steps only: an idle instance's says what its
+    last batch ran; it runs nothing now, and all its slots are free."""
+    adapters = Adapters([SPEC])
+    idle = lora("idle", ("x", "y"))
+    idle.load = LoadReport(running=0, loras_running=("a1", "y"), max_loras=2)
+    busy_elsewhere = lora("busy", ("x", "y"))
+    assert adapters.prefer([busy_elsewhere, idle], "a1") == [idle]  # a free slot, not "running"
+    assert adapters.prefer([idle, lora("runs", ("a1",))], "a1")[0].name == "runs"
