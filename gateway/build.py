@@ -200,17 +200,16 @@ def build(config: Config, path: str | None = None, role: Role = SINGLE,
     keyring = Keyring(config.keys, config.gateway.api_keys)
     breakers = Breakers(config.breaker, [spec.name for spec in _fixed(config)],
                         [MetricsListener(metrics)])
+    adapters = Adapters(config.adapters, metrics, config.routing.adapter_affinity)
     pool = BackendPool([Backend(spec) for spec in _fixed(config)], breakers.allows,
-                       ModelNames(config.models), Adapters(config.adapters, metrics,
-                                                          config.routing.adapter_affinity))
+                       ModelNames(config.models), adapters)
     canary = Canary(config.canary, metrics)
     shared = shared_state(config, metrics, breakers, canary, role) if config.uses_redis else None
     link = shared.link if shared is not None else None
     gate, ledger = tenants(config, link, keyring, metrics)
     kv = _kv(config, role)
     serving = None if role.kind is Kind.CONTROL else _request_path(  # it serves no request
-        config, pool, breakers, canary, gate, len(keyring.tenants), metrics, link, upstream,
-        kv.feeds if isinstance(kv, Publisher) else kv)
+        config, pool, breakers, canary, gate, len(keyring.tenants), metrics, link, upstream, kv)
     probe = HttpProbe(config.health.timeout)
     checker = HealthChecker(pool.backends, config.health, probe)
     supervisors: dict[str, Supervisor] = {}
@@ -277,7 +276,7 @@ def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
 
 def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary: Canary,
                   gate: TenantGate, tenants: int, metrics: Metrics, link: RedisLink | None,
-                  upstream: Upstream | None, feeds: Known | None) -> Serving:
+                  upstream: Upstream | None, kv: Feeds | Publisher | Mirror | None) -> Serving:
     """A serving process's proxy and what only it uses: the request's plan (its one Redis
     round trip and its candidates) and the reply's parts, each built once here."""
     router = _router(config, pool, link, metrics, breakers)
@@ -294,6 +293,7 @@ def _request_path(config: Config, pool: BackendPool, breakers: Breakers, canary:
     tally = Tally(metrics, canary).attempt
     shadow = Shadow(upstream, router, pool, canary, metrics, config.upstream.total_timeout)
     lookup = Lookup(link, router.store, arms.store, canary, responses, gate, router.made)
+    feeds: Known | None = kv.feeds if isinstance(kv, Publisher) else kv
     cache = CacheLookup(feeds, upstream, pool) if feeds is not None else None
     plans = Planner(router, queue, arms, canary, shadow, lookup, pool, config.upstream,
                     metrics, tracer, tally, cache)
