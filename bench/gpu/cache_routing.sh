@@ -24,6 +24,8 @@
 # that many questions, each with the history before it (MAX_TOKENS: each reply's length).
 # OUT: where a load's files go (one folder per load). WORKERS: the gateways' `workers`
 # (default "auto": one per core, at most 8).
+# LORA=1: the instances also serve LoRA adapters (--enable-lora --max-loras 2, runtime
+# loading allowed), so that bench/gpu/lora.sh (URLS=...) can use the same four instances.
 # SIM=1: simulators (`python -m gateway sim`, same ports, same KV events and cache size)
 # instead of vLLM, to check the whole flow on a machine without a GPU.
 set -uo pipefail
@@ -47,15 +49,19 @@ wait_http() {  # url seconds
 }
 
 instance() {  # n (1..4): vLLM (or the simulator) on :800n, KV events on :555n, replay :556n
-  local n=$1
+  local n=$1 lora=()
   if [ -n "${SIM:-}" ]; then
-    setsid nohup $PY -m gateway sim --port "800$n" --model test --ttft "${SIM_TTFT:-0.01}" \
+    [ "${LORA:-}" = 1 ] && lora=(--enable-lora --max-loras 2 --lora-load-delay 0.2)
+    setsid nohup env VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 $PY -m gateway sim --port "800$n" --model test \
+      --ttft "${SIM_TTFT:-0.01}" "${lora[@]}" \
       --itl 0.002 --kv-events "tcp://*:555$n" --kv-replay "tcp://*:556$n" --kv-block 16 \
       --kv-blocks "$BLOCKS" --token-details > "$W/logs/vllm-$n.log" 2>&1 < /dev/null &
   else
     local eager=(); [ "${EAGER:-1}" = 1 ] && eager=(--enforce-eager)
-    setsid nohup env VLLM_USE_FLASHINFER_SAMPLER=0 $PY -m vllm.entrypoints.cli.main serve \
-      "$W/model" --served-model-name test --host 127.0.0.1 --port "800$n" \
+    [ "${LORA:-}" = 1 ] && lora=(--enable-lora --max-loras 2 --max-lora-rank 8 --max-cpu-loras "${ADAPTERS:-16}")
+    setsid nohup env VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 \
+      $PY -m vllm.entrypoints.cli.main serve \
+      "$W/model" --served-model-name test --host 127.0.0.1 --port "800$n" "${lora[@]}" \
       --gpu-memory-utilization "${GPU_UTIL:-0.2}" --num-gpu-blocks-override "$BLOCKS" \
       --max-model-len 4096 "${eager[@]}" --enable-prompt-tokens-details \
       --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:555$n\", \"replay_endpoint\": \"tcp://*:556$n\", \"topic\": \"kv\"}" \
@@ -76,7 +82,7 @@ gateway_config() {  # arm port
   done
 }
 
-GATEWAYS="round_robin:9001 least_loaded:9002 prefix:9003 kv:9004"
+GATEWAYS=${GATEWAYS:-round_robin:9001 least_loaded:9002 prefix:9003 kv:9004}  # arm:port, the gateways to start
 
 instances() {  # the model and the four instances, one after another (vLLM's start-up
   t0=$(date +%s)  # memory check and profiling fail when instances start at once)

@@ -17,6 +17,10 @@
 # SECONDS_PER_ARM (180), RATE (8 req/s), MAX_TOKENS (64), ADAPTERS (16), GATEWAY_SRC
 # (default: this checkout), OUT. SIM=1: simulators with LoRA (a 0.2 s load) instead of
 # vLLM, to check the flow on a machine without a GPU.
+# URLS="http://127.0.0.1:8001 ...": instances already running (with LoRA and
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING, serving BASE), as url backends with `lora = true`:
+# both arms use the same instances (no start per arm); before each arm every adapter is
+# unloaded from every instance, so each arm starts with none loaded.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 W=${WORKDIR:-/tmp/gw-lora}
@@ -26,6 +30,8 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_H
 OUT=${OUT:-$W/out}
 ARMS=${ARMS:-aware round_robin}
 N=${ADAPTERS:-16}
+BASE=${BASE:-base}
+URLS=${URLS:-}
 PORT=9400
 mkdir -p "$W/logs" "$OUT"
 ulimit -n "$(ulimit -Hn)"
@@ -61,8 +67,13 @@ config() {  # arm
   esac
   local a n
   for a in $(names); do
-    printf '\n[[adapters]]\nname = "%s"\nbase = "base"\npath = "%s/adapters/%s"\n' "$a" "$W" "$a"
+    printf '\n[[adapters]]\nname = "%s"\nbase = "%s"\npath = "%s/adapters/%s"\n' "$a" "$BASE" "$W" "$a"
   done
+  local u n=0
+  for u in $URLS; do
+    n=$((n + 1)); printf '\n[[backends]]\nname = "v%d"\nurl = "%s"\nlora = true\n' "$n" "$u"
+  done
+  [ -n "$URLS" ] && return 0
   for n in 1 2 3 4; do
     printf '\n[[backends]]\nname = "v%d"\n[backends.spawn]\nport = %d\n' "$n" "$((8400 + n))"
     printf 'served_model_name = "base"\nlora = { max_loras = 2, max_lora_rank = 8, max_cpu_loras = %d }\n' "$N"
@@ -79,8 +90,19 @@ config() {  # arm
   done
 }
 
+unload_all() {  # every adapter off every url instance: each arm starts with none loaded
+  local u a
+  for u in $URLS; do
+    for a in $(names); do
+      curl -s -o /dev/null -X POST "$u/v1/unload_lora_adapter" -H 'content-type: application/json' \
+        -d "{\"lora_name\": \"$a\"}"
+    done
+  done
+}
+
 one_arm() {  # arm
   local arm=$1
+  [ -n "$URLS" ] && unload_all
   config "$arm" > "$W/gw-$arm.toml"
   env -C "$GATEWAY_SRC" PYTHONPATH="/tmp/site:$GATEWAY_SRC" $PY -m gateway check \
     --config "$W/gw-$arm.toml" || exit 5
