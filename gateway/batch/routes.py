@@ -6,7 +6,6 @@ Every record belongs to the key that made it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import tempfile
@@ -212,10 +211,6 @@ class BatchApi:
         if isinstance(problem, Response):
             return problem
         created, batch_id = now(), new_id("batch_")
-        limit = self._settings.max_open_batches
-        if not await self._store.reserve(batch_id, owner, limit):
-            return _error(429, f"This key has {limit} batches open; wait for one to end.",
-                          "too_many_batches")
         record = {
             "id": batch_id, "object": "batch", "endpoint": asked["endpoint"],
             "errors": None, "input_file_id": asked["input_file_id"],
@@ -227,13 +222,10 @@ class BatchApi:
             "expired_at": None, "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": problem, "completed": 0, "failed": 0},
             "metadata": asked.get("metadata"), "_owner": owner}
-        try:
-            await self._store.put("b", record, new=True)
-            await self._store.opened(batch_id, owner, True)
-        except BaseException:
-            with contextlib.suppress(StoreUnavailable):  # no batch: the count given back
-                await self._store.opened(batch_id, owner, False)
-            raise
+        limit = self._settings.max_open_batches
+        if not await self._store.create(record, limit):
+            return _error(429, f"This key has {limit} batches open; wait for one to end.",
+                          "too_many_batches")
         return JSONResponse(shown(record))
 
     async def _refused(self, asked: dict[str, Any], owner: str) -> Response | int:

@@ -50,9 +50,13 @@ def shown(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if not k.startswith(PRIVATE)}
 
 
-# KEYS[1]: a key's open batches; ARGV: the batch's id, the limit.
-RESERVE = """
+# KEYS: a key's open batches, all open batches, the record, the key's batches by time;
+# ARGV: the batch's id, the limit, the record, its creation time.
+CREATE = """
 if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[3], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[1])
 redis.call('SADD', KEYS[1], ARGV[1])
 return 1
 """
@@ -142,11 +146,14 @@ class Store:
             commands.append((verb, f"{self._p}open:{owner}", batch_id))
         await self._run(*commands)
 
-    async def reserve(self, batch_id: str, owner: str, limit: int) -> bool:
-        """``batch_id`` counted among ``owner``'s open batches if that keeps them within
-        ``limit``, counted and added in one script (creates at once never pass it)."""
-        (ok,) = await self._run(("EVAL", RESERVE, 1, f"{self._p}open:{owner}", batch_id,
-                                 limit))
+    async def create(self, record: dict[str, Any], limit: int) -> bool:
+        """A new batch's record written and counted among its owner's open batches, if
+        that keeps them within ``limit`` (False: nothing written). One script: creates at
+        once never pass the limit, and a count never outlives a record not written."""
+        rid, owner = record["id"], record["_owner"]
+        (ok,) = await self._run(("EVAL", CREATE, 4, f"{self._p}open:{owner}", f"{self._p}open",
+                                 f"{self._p}b:{rid}", f"{self._p}bo:{owner}", rid, limit,
+                                 orjson.dumps(record), record["created_at"]))
         return bool(ok)
 
     async def open_batches(self, owner: str | None = None) -> list[str]:

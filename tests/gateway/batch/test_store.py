@@ -22,22 +22,30 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
     s.stop()
 
 
-def test_reservations_at_once_never_pass_the_limit(server: RedisServer, tmp_path: Path) -> None:
-    """Forty creates of one key reserving at once (a key allowed 3 open batches): at most
-    3 reserved, and those refused leave no trace; later ones fill the room left."""
+def record(n: int, owner: str) -> dict[str, object]:
+    return {"id": f"batch_{n:024x}", "_owner": owner, "created_at": 1}
+
+
+def test_creates_at_once_never_pass_the_limit(server: RedisServer, tmp_path: Path) -> None:
+    """Forty creates of one key at once (a key allowed 3 open batches): at most 3 written
+    and counted, and those refused leave no trace (no record, no count); later ones fill
+    the room left."""
     async def main() -> None:
         link = RedisLink(client_for(server), "t:", 1.0, Metrics())
         store = Store(link, str(tmp_path))
-        got = await asyncio.gather(*(store.reserve(f"batch_{i}", "alice", 3)
-                                     for i in range(40)))
+        got = await asyncio.gather(*(store.create(record(i, "alice"), 3) for i in range(40)))
         held = await store.open_batches("alice")
         assert sum(got) <= 3 and len(held) == sum(got)
-        assert sorted(f"batch_{i}" for i, ok in enumerate(got) if ok) == held
+        assert sorted(f"batch_{i:024x}" for i, ok in enumerate(got) if ok) == held
+        assert sorted(r["id"] for r in await store.open_records()) == held
+        assert [await store.get("b", f"batch_{i:024x}", None) is not None
+                for i in range(40)] == [bool(ok) for ok in got]
         n = sum(got)
         while n < 3:
-            n += await store.reserve(f"more_{n}", "alice", 3)
-        assert not await store.reserve("one_more", "alice", 3)
-        assert await store.reserve("bobs", "bob", 3)  # each key its own count
+            n += await store.create(record(100 + n, "alice"), 3)
+        assert not await store.create(record(200, "alice"), 3)
+        assert await store.get("b", f"batch_{200:024x}", None) is None
+        assert await store.create(record(300, "bob"), 3)  # each key its own count
         await link.aclose()
     asyncio.run(main())
 
