@@ -68,7 +68,6 @@ class Publisher:
         self._changed = asyncio.Event()
         feeds.index.journal = Journal(wake=self._changed.set)
         self._seq = 0
-        self.sent = 0  # change messages
 
     async def run(self, wanted: Wanted) -> None:
         context = zmq.asyncio.Context.instance()
@@ -105,7 +104,6 @@ class Publisher:
             changes = self.feeds.index.changes()
             if changes:
                 self._seq += 1
-                self.sent += 1
                 await pub.send_multipart([CHANGES, self._seq.to_bytes(8, "big"),
                                           msgspec.msgpack.encode(changes)])
             if time.monotonic() - said >= STATUS_EVERY:

@@ -286,14 +286,14 @@ class Index:
             stale = self._stale.get(key)
             if stale is not None:
                 stale.discard(backend)  # stored again: what the events say holds
+            if self.journal is not None:  # a store told again too: copies drop stale marks
+                self.journal.touched.setdefault(backend, set()).add(key)
             old = held.by_hash.get(block)
             if old == key:
                 continue
             if old is not None:
                 self._unref(held, old, backend)
             held.by_hash[block] = key
-            if self.journal is not None:
-                self.journal.touched.setdefault(backend, set()).add(key)
             held.refs[key] = held.refs.get(key, 0) + 1
             self._unguess(key, backend)  # known now: the events speak for it
             self._holders.setdefault(key, set()).add(backend)

@@ -98,6 +98,26 @@ def test_changes_applied_twice_change_nothing() -> None:
     assert answers(copy) == answers(index)
 
 
+def test_a_store_told_again_clears_a_copys_stale_mark() -> None:
+    """A worker's reply said backend "a" lacked a block its copy thought it held (a stale
+    mark, the worker's own); vLLM then tells the same store again (a replay, or a removal
+    the feed missed). The control index changes nothing, but its journal names the block,
+    so the copy sees "a" hold it again."""
+    index, copy = Index(), Index()
+    index.journal = Journal()
+    tokens = prompt(1, 3)
+    event = decode(encode([stored([1, 2, 3], tokens)]))
+    index.apply("a", event)
+    copy.follow(index.changes())
+    wanted = keys(tokens, 4)
+    assert copy.match(wanted) == {"a": 3}
+    copy.found("a", wanted, 1)  # the reply: only the first block was cached
+    assert copy.match(wanted) == {"a": 1}
+    index.apply("a", event)  # told again, unchanged for the index
+    copy.follow(index.changes())
+    assert copy.match(wanted) == index.match(wanted) == {"a": 3}
+
+
 def run(test: asyncio.coroutines.Coroutine[object, object, None]) -> None:
     asyncio.run(asyncio.wait_for(test, 30))
 
