@@ -89,9 +89,11 @@ class Sleeper:
 
     async def answer(self, backend: Backend) -> str | None:
         """Its answer to the check: a short completion at temperature 0."""
+        # The base model, never an adapter it lists: which adapters it lists changes
+        # between the check before its first sleep and the one after a wake.
         spawn = backend.spec.spawn
-        model = min(backend.models) if backend.models else (
-            spawn.name_served if spawn is not None else "")
+        bases = [m for m in backend.models if not (backend.cards.get(m) or {}).get("parent")]
+        model = spawn.name_served if spawn is not None else min(bases, default="")
         reply = await self._call(backend, "POST", "/v1/completions", {
             "model": model, "prompt": PROMPT, "max_tokens": CHECK_TOKENS, "temperature": 0,
             "ignore_eos": True})
