@@ -8,8 +8,9 @@ band), and batch lines started whenever a place is free and no interactive reque
 under one of two rules:
 
   cap K       at most K lines in flight (the gateway's ``[batch] concurrency``)
-  reserve R   a line starts only while more than R places are free (a clairvoyant-free
-              rule that keeps headroom for the next interactive bursts)
+  reserve R   a line starts only while more than R places are free (headroom for the
+              next interactive bursts)
+  cap K + reserve R   both
 
 A line in flight is never preempted. Per rule: batch lines/s and its share of the idle
 capacity, interactive TTFT p50/p99 (the wait for a place + the simulator's 0.1 s), and
@@ -89,6 +90,8 @@ def main() -> None:
              for k in (1, 2, 3, 4, 6, 8, 12, 16)]
     rules += [("reserve", r, run(*common, cap=args.slots, reserve=r, seed=args.seed))
               for r in (0, 1, 2, 3, 4, 6, 8)]
+    rules += [(f"cap {k} + reserve", r, run(*common, cap=k, reserve=r, seed=args.seed))
+              for k in (2, 3, 4, 6, 8) for r in (1, 2, 3)]
     rows = []
     for rule, k, got in rules:
         share = got["batch_per_s"] / idle

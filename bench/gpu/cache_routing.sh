@@ -22,7 +22,9 @@
 # ARMS, SECONDS_PER_ARM, RATE: the arm set (run in that order), seconds per arm, requests/s.
 # RATE_TO: the rate rises from RATE to it over each arm (the knee). TURNS: conversations of
 # that many questions, each with the history before it (MAX_TOKENS: each reply's length).
-# OUT: where a load's files go (one folder per load). WORKERS: the gateways' `workers`
+# GATEWAYS: the gateways to start, "arm:port ..." (default: all four; ARMS must name only
+# these, oracle and cache_aware). OUT: where a load's files go (one folder per load).
+# WORKERS: the gateways' `workers`
 # (default "auto": one per core, at most 8).
 # LORA=1: the instances also serve LoRA adapters (--enable-lora --max-loras 2, runtime
 # loading allowed), so that bench/gpu/lora.sh (URLS=...) can use the same four instances.
@@ -121,8 +123,9 @@ gateways() {  # the gateway's wheels (.whl), then the four gateways, checked and
   for spec in $GATEWAYS; do
     wait_http "http://127.0.0.1:${spec##*:}/readyz" 60 || { tail -20 "$W/logs/gw-${spec%%:*}.log"; exit 8; }
   done
-  echo "gateways up after $(( $(date +%s) - t0 )) s ($(grep -ho 'with [0-9]* worker processes' "$W/logs/gw-kv.log" | head -1))"
-  tail -6 "$W/logs/check-kv.log"
+  echo "gateways up after $(( $(date +%s) - t0 )) s ($(grep -ho 'with [0-9]* worker processes' "$W"/logs/gw-*.log | head -1))"
+  [ -f "$W/logs/check-kv.log" ] && tail -6 "$W/logs/check-kv.log"
+  return 0
 }
 
 router() {  # vllm-router 0.1.17, cache_aware, over the four instances
@@ -144,7 +147,9 @@ load() {
     case "$a" in
       oracle) args+=(--arm oracle) ;;
       cache_aware) args+=(--arm "cache_aware=http://127.0.0.1:9200") ;;
-      *) args+=(--arm "$a=http://127.0.0.1:$(echo " $GATEWAYS" | grep -o " $a:[0-9]*" | cut -d: -f2)") ;;
+      *) port=$(echo " $GATEWAYS" | grep -o " $a:[0-9]*" | cut -d: -f2)
+         [ -n "$port" ] || { echo "arm $a: no such gateway in GATEWAYS"; exit 2; }
+         args+=(--arm "$a=http://127.0.0.1:$port") ;;
     esac
     [ -f "$W/pids/$a" ] && pids+=(--pid "$a=$(cat "$W/pids/$a")")
   done
@@ -153,7 +158,8 @@ load() {
     "${args[@]}" "${pids[@]}" --rate "${RATE:-20}" ${RATE_TO:+--rate-to "$RATE_TO"} \
     --turns "${TURNS:-1}" --max-tokens "${MAX_TOKENS:-16}" --seconds "${SECONDS_PER_ARM:-60}" \
     --out "$OUT/kv.jsonl" --requests "$OUT/requests.jsonl"
-  curl -s http://127.0.0.1:9004/metrics | grep -E "^gateway_kv" > "$OUT/gateway_kv_metrics.txt"
+  case " $ARMS " in *" kv "*) curl -s http://127.0.0.1:9004/metrics | grep -E "^gateway_kv" \
+    > "$OUT/gateway_kv_metrics.txt" ;; esac
 }
 
 BAD='"level": ?"(warning|error|critical)"|\bWARNING\b|\bERROR\b|Traceback'

@@ -18,7 +18,8 @@
 # (default: this checkout), OUT. SIM=1: simulators with LoRA (a 0.2 s load) instead of
 # vLLM, to check the flow on a machine without a GPU.
 # URLS="http://127.0.0.1:8001 ...": instances already running (with LoRA and
-# VLLM_ALLOW_RUNTIME_LORA_UPDATING, serving BASE), as url backends with `lora = true`:
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING, serving BASE: `test` for cache_routing.sh's with
+# LORA=1; default `base`), as url backends with `lora = true`:
 # both arms use the same instances (no start per arm); before each arm every adapter is
 # unloaded from every instance, so each arm starts with none loaded.
 set -uo pipefail
@@ -108,9 +109,10 @@ one_arm() {  # arm
     --config "$W/gw-$arm.toml" || exit 5
   env -C "$GATEWAY_SRC" PYTHONPATH="/tmp/site:$GATEWAY_SRC" setsid nohup $PY -m gateway serve \
     --config "$W/gw-$arm.toml" > "$W/logs/gw-$arm.log" 2>&1 < /dev/null &
-  local gw=$!
+  local gw=$! want=4
+  [ -n "$URLS" ] && want=$(wc -w <<< "$URLS")
   for _ in $(seq 1 2400); do  # the instances start one after another: minutes on a GPU
-    s=$(curl -sf "http://127.0.0.1:$PORT/admin/status") && [ "$(grep -o '"ready"' <<< "$s" | wc -l)" -ge 4 ] \
+    s=$(curl -sf "http://127.0.0.1:$PORT/admin/status") && [ "$(grep -o '"ready"' <<< "$s" | wc -l)" -ge "$want" ] \
       && break
     sleep 0.5
   done

@@ -119,7 +119,10 @@ class Runner:
         try:
             record = await self._store.get("b", batch_id, None)
             if record is None or record["status"] in ENDED:
-                await self._store.opened(batch_id, None, False)
+                # Ended, but still listed open (its end written, then Redis failed): its
+                # place among its owner's open batches is given back now.
+                owner = record["_owner"] if record is not None else None
+                await self._store.opened(batch_id, owner, False)
                 return
             await Batch(self, record).run()
         except asyncio.CancelledError:

@@ -92,8 +92,9 @@ class Sleeper:
         # The base model, never an adapter it lists: which adapters it lists changes
         # between the check before its first sleep and the one after a wake.
         spawn = backend.spec.spawn
+        served = spawn.name_served if spawn is not None else ""
         bases = [m for m in backend.models if not (backend.cards.get(m) or {}).get("parent")]
-        model = spawn.name_served if spawn is not None else min(bases, default="")
+        model = served if served in backend.models or not bases else min(bases)
         reply = await self._call(backend, "POST", "/v1/completions", {
             "model": model, "prompt": PROMPT, "max_tokens": CHECK_TOKENS, "temperature": 0,
             "ignore_eos": True})

@@ -351,7 +351,7 @@ def _seconds(ts: str) -> float:
 
 def test_creates_at_once_never_pass_the_open_batch_limit(tmp_path: Path) -> None:
     """32 creates sent at once by a key allowed two open batches: two are made, the
-    others get a 429 (the count is reserved in Redis before the batch is written)."""
+    others get a 429 (the record and its count are written by one Redis script)."""
     slow = Sim(tmp_path, "slow", "--ttft", "60")  # the batches stay open
     gw = gateway(tmp_path, slow, extra="max_open_batches = 2\n")
     try:

@@ -76,3 +76,26 @@ def test_a_filtered_listing_pages_through_every_match(server: RedisServer,
         assert len(everything) == 5 and more
         await link.aclose()
     asyncio.run(main())
+
+
+def test_an_ended_batch_still_listed_open_gives_its_owners_count_back(
+        server: RedisServer, tmp_path: Path) -> None:
+    """A batch whose end was written but whose removal from the open sets was not (Redis
+    failed between the two): the runner's next look removes it from its owner's count
+    too, so the key can open batches again."""
+    from gateway.batch.runner import Runner
+
+    async def main() -> None:
+        link = RedisLink(client_for(server), "t:", 1.0, Metrics())
+        store = Store(link, str(tmp_path))
+        ended = record(1, "alice")
+        assert await store.create(ended, 1)
+        await store.put("b", {**ended, "status": "completed"})  # its end, and no removal
+        assert not await store.create(record(2, "alice"), 1)
+        runner = Runner.__new__(Runner)
+        runner._store = store
+        await runner._batch(ended["id"])  # type: ignore[arg-type]
+        assert await store.open_batches("alice") == [] and await store.open_batches() == []
+        assert await store.create(record(2, "alice"), 1)
+        await link.aclose()
+    asyncio.run(main())
