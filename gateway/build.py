@@ -251,9 +251,10 @@ def _kv(config: Config, role: Role) -> Feeds | Publisher | Mirror | None:
         return None
     processes = config.gateway.processes
     if role.kind is Kind.WORKER and role.kv is not None:
-        return Mirror(Index(), role.kv, processes)
+        return Mirror(Index(), role.kv, processes, role.slot)
     feeds = Feeds(Index(), processes=processes)
-    return Publisher(feeds) if role.kind is Kind.CONTROL else feeds
+    return Publisher(feeds, processes=processes) if role.kind is Kind.CONTROL else feeds
+
 
 
 def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],

@@ -159,7 +159,7 @@ class Metrics:
             "not measured yet), from the streams it served", ("backend",))
         self.kv_prefill_pending = gauge(
             "gateway_kv_prefill_pending_tokens", "Prompt tokens sent to each backend and not "
-            "yet prefilled (the kv policy's load)", ("backend",))
+            "yet prefilled, by every serving process (the kv policy's load)", ("backend",))
         self.kv_lookups = gauge(
             "gateway_kv_lookups", "Requests whose prompt was tokenized for the kv policy "
             "(asked), and those routed without a prediction (unknown: another route, a "

@@ -37,7 +37,7 @@ from starlette.routing import BaseRoute
 
 from backends.reaper import dies_with
 from gateway.config import CONFIG_ENV, CONFIG_TEXT_ENV, Config
-from gateway.control.role import Kind, Role
+from gateway.control.role import SLOT_ENV, Kind, Role
 from gateway.control.server import WorkerTable
 from gateway.metrics import MULTIPROC_ENV
 from gateway.workers import UVICORN
@@ -200,7 +200,8 @@ class Control:
         while not self._stopping:
             started = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway.workers", str(sock.fileno()), env=env,
+                sys.executable, "-m", "gateway.workers", str(sock.fileno()),
+                env={**env, SLOT_ENV: str(slot)},
                 pass_fds=(sock.fileno(),), preexec_fn=dies_with(os.getpid()))
             self._running[slot] = proc
             self._workers.add(proc.pid)

@@ -10,6 +10,7 @@ ROLE_ENV = "VLLM_GATEWAY_ROLE"  # "worker" in a serving worker's environment
 CONTROL_ENV = "VLLM_GATEWAY_CONTROL"  # the control socket's path
 REDIS_ENV = "VLLM_GATEWAY_REDIS"  # the URL of the Redis the control process started
 KV_ENV = "VLLM_GATEWAY_KV"  # the directory of the control process's KV index sockets
+SLOT_ENV = "VLLM_GATEWAY_SLOT"  # a worker's number among its control process's workers
 
 
 class Kind(enum.Enum):
@@ -24,13 +25,15 @@ class Role:
     control: str | None = None  # a worker: the control socket
     redis_url: str | None = None  # a worker: the control process's embedded valkey
     kv: str | None = None  # a worker: where its control process publishes the KV index
+    slot: int | None = None  # a worker: its number, 0 to the number of workers - 1
 
     @classmethod
     def from_env(cls) -> Role:
         if os.environ.get(ROLE_ENV) != Kind.WORKER.value:
             return cls()
+        slot = os.environ.get(SLOT_ENV, "")
         return cls(Kind.WORKER, os.environ[CONTROL_ENV], os.environ.get(REDIS_ENV) or None,
-                   os.environ.get(KV_ENV) or None)
+                   os.environ.get(KV_ENV) or None, int(slot) if slot.isdigit() else None)
 
     def env(self) -> dict[str, str]:
         """What a worker's environment says of its role (the inverse of from_env)."""
@@ -39,6 +42,8 @@ class Role:
             out[REDIS_ENV] = self.redis_url
         if self.kv:
             out[KV_ENV] = self.kv
+        if self.slot is not None:
+            out[SLOT_ENV] = str(self.slot)
         return out
 
 

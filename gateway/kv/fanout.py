@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -33,6 +34,7 @@ import zmq.asyncio
 from gateway.kv.feed import Feeds
 from gateway.kv.index import KEY_BYTES, Index, Journal
 from gateway.kv.known import FeedCounts, Heard, Known
+from gateway.kv.pending import FILE, Pending, create
 
 log = logging.getLogger("gateway.kv")
 
@@ -62,9 +64,10 @@ class Publisher:
     """The control process's side: its feeds, their index's changes sent to the workers,
     and a copy of the whole index for a worker that asks."""
 
-    def __init__(self, feeds: Feeds, directory: str | None = None) -> None:
+    def __init__(self, feeds: Feeds, directory: str | None = None, processes: int = 1) -> None:
         self.feeds = feeds
         self.directory = directory or tempfile.mkdtemp(prefix="vgw-kv-")
+        create(os.path.join(self.directory, FILE), processes)  # each worker's pending prefill
         self._changed = asyncio.Event()
         feeds.index.journal = Journal(wake=self._changed.set)
         self._seq = 0
@@ -119,11 +122,24 @@ class Publisher:
                                        msgspec.msgpack.encode(whole)])
 
 
+def _pending(directory: str, slot: int | None, processes: int) -> Pending | None:
+    """The workers' prefill added up in the control process's map; without it (a worker
+    started by hand, a map that cannot be read) each counts its own times ``processes``."""
+    if slot is None:
+        return None
+    try:
+        return Pending(os.path.join(directory, FILE), slot, processes)
+    except (OSError, ValueError) as exc:
+        log.warning("kv: pending prefill not shared with the other workers: %s", exc)
+        return None
+
+
 class Mirror(Known):
     """A serving worker's side: a copy of the control process's index, kept in step."""
 
-    def __init__(self, index: Index, directory: str, processes: int = 1) -> None:
-        super().__init__(index, processes)
+    def __init__(self, index: Index, directory: str, processes: int = 1,
+                 slot: int | None = None) -> None:
+        super().__init__(index, processes, _pending(directory, slot, processes))
         self._directory = directory
         self._heard: dict[str, Heard] = {}
         self._heard_at = 0.0  # monotonic time of the last status

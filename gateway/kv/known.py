@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gateway.kv.estimate import Checks, Estimate
 from gateway.kv.index import Index
+from gateway.kv.pending import Pending
 from gateway.kv.prefill import Prefill
 
 LAG_LIMIT = 2.0  # seconds between a batch's sending (its ts) and its arrival: lagging
@@ -50,11 +51,12 @@ def in_step(synced: bool, lost_at: float | None) -> bool:
 class Known:
     """The parts every way of hearing the events shares; ``heard`` is each way's own."""
 
-    def __init__(self, index: Index, processes: int = 1) -> None:
+    def __init__(self, index: Index, processes: int = 1,
+                 pending: Pending | None = None) -> None:
         self.index = index
         self.estimate = Estimate()
         self.checks = Checks()
-        self.prefill = Prefill(processes)
+        self.prefill = Prefill(processes, pending)
         # Requests tokenized, routed by a conversation's earlier turn, and neither.
         self.lookups = {"asked": 0, "remembered": 0, "unknown": 0}
 

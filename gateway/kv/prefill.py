@@ -4,10 +4,13 @@ backend is ``(tokens it still has to prefill + the request's uncached tokens) / 
 rate``. The rate is measured per instance from the streams it served (tokens it had to
 prefill, its own and those ahead of it, over the time to the first byte), not set by
 hand; until an instance has been measured it counts at the others' mean (or ``PRIOR``,
-which then only scales every backend alike).
+which then only scales every backend alike). With several serving processes the tokens
+pending are every process's, added up in a shared map (``gateway.kv.pending``).
 """
 
 from __future__ import annotations
+
+from gateway.kv.pending import Pending
 
 PRIOR = 10_000.0  # tokens/s: only a common scale until a backend is measured
 WEIGH = 0.2  # the weight of each new measurement in the rate (an exponential mean)
@@ -15,14 +18,23 @@ LEAST = 64  # tokens: a measurement of less prefill than this says little of the
 
 
 class Prefill:
-    """``scale``: the serving processes that share the instances. Each process sees only
-    its own requests, about 1/``scale`` of them: what it holds pending is counted
-    ``scale`` times, in waits and in measurements alike."""
+    """``shared``: every serving process's pending tokens. Without it (no such map could be
+    opened) ``scale`` stands for the serving processes that share the instances: each
+    sees about 1/``scale`` of the requests, and what it holds pending is counted ``scale``
+    times, in waits and in measurements alike."""
 
-    def __init__(self, scale: int = 1) -> None:
-        self.scale = scale
-        self.pending: dict[str, int] = {}  # tokens sent and not yet prefilled, per backend
+    def __init__(self, scale: int = 1, shared: Pending | None = None) -> None:
+        self.scale = 1 if shared is not None else scale
+        self.shared = shared
+        self.pending: dict[str, int] = {}  # this process's tokens sent and not prefilled
         self.rates: dict[str, float] = {}  # measured tokens/s, per backend
+        self.unshared = 0  # changes the shared map had no room for (the others miss them)
+
+    def ahead(self, backend: str) -> int:
+        """Tokens sent to ``backend`` and not yet prefilled, by every serving process."""
+        if self.shared is not None:
+            return self.shared.total(backend)
+        return self.scale * self.pending.get(backend, 0)
 
     def rate(self, backend: str) -> float:
         rate = self.rates.get(backend)
@@ -32,22 +44,18 @@ class Prefill:
 
     def wait(self, backend: str, tokens: int) -> float:
         """Seconds until ``tokens`` more sent to ``backend`` would be prefilled."""
-        return (self.scale * self.pending.get(backend, 0) + tokens) / self.rate(backend)
+        return (self.ahead(backend) + tokens) / self.rate(backend)
 
     def start(self, backend: str, tokens: int) -> int:
         """``tokens`` to prefill were sent to ``backend``; what was ahead of them (of all
-        the processes', as ``scale`` estimates it)."""
-        ahead = self.pending.get(backend, 0)
-        self.pending[backend] = ahead + tokens
-        return self.scale * ahead
+        the processes')."""
+        ahead = self.ahead(backend)
+        self._set(backend, self.pending.get(backend, 0) + tokens)
+        return ahead
 
     def done(self, backend: str, tokens: int) -> None:
         """Those tokens are prefilled (the first byte came) or will never be (it ended)."""
-        left = self.pending.get(backend, 0) - tokens
-        if left > 0:
-            self.pending[backend] = left
-        else:
-            self.pending.pop(backend, None)
+        self._set(backend, self.pending.get(backend, 0) - tokens)
 
     def measured(self, backend: str, tokens: int, seconds: float) -> None:
         """``backend`` prefilled ``tokens`` (a request's and those ahead of it) in
@@ -59,5 +67,14 @@ class Prefill:
         self.rates[backend] = sample if rate is None else rate + WEIGH * (sample - rate)
 
     def drop(self, backend: str) -> None:
-        self.pending.pop(backend, None)
+        self._set(backend, 0)
         self.rates.pop(backend, None)
+
+    def _set(self, backend: str, tokens: int) -> None:
+        if tokens > 0:
+            self.pending[backend] = tokens
+        else:
+            tokens = 0
+            self.pending.pop(backend, None)
+        if self.shared is not None and not self.shared.put(backend, tokens):
+            self.unshared += 1

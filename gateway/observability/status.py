@@ -80,7 +80,7 @@ class Status:
             row: dict[str, Any] = {
                 "standing": kv.standing(b.name),
                 "prefill_rate": round(rate) if rate is not None else None,
-                "prefill_pending": kv.prefill.pending.get(b.name, 0)}
+                "prefill_pending": kv.prefill.ahead(b.name)}
             heard = events.get(b.name)
             if heard is not None:
                 last = heard.counts.last_event

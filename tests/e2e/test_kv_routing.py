@@ -6,8 +6,10 @@ evictions and lost batches. Real vLLM: tests/integration/test_real_vllm_kv.py.""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -219,5 +221,55 @@ def test_a_conversation_is_routed_by_its_history_without_tokenizing_it_again(
                  "turns routed by the turn before (one may meet the other worker process)")
     finally:
         kv.stop()
+        for sim in group:
+            sim.stop()
+
+
+def test_every_worker_counts_the_prefill_pending_in_all_of_them(tmp_path: Path,
+                                                                sockets: Path) -> None:
+    """Two serving processes, five streams of prompts cached nowhere (no two share a
+    block), each waiting 6 s for its first token: whichever process is asked, the tokens
+    pending on the backends are all five prompts' (the map the workers share), not what
+    that process sent times two (no part of the five sizes adds up to half of them)."""
+    group = sims(tmp_path, sockets, "w", 2, "--ttft", "6")
+    config = ('[routing]\npolicy = "kv"\n[health]\ninterval = 0.3\n'
+              + "".join(f'[[backends]]\nname = "w{i}"\nurl = "{sim.url}"\n'
+                        f'kv_events = "ipc://{sockets}/w{i}.pub"\n'
+                        f'kv_replay = "ipc://{sockets}/w{i}.replay"\n'
+                        for i, sim in enumerate(group)))
+    gw = Gateway(tmp_path, config, name="kv-pending", workers=2)
+    bodies = [{"model": "sim-model", "max_tokens": 1, "stream": True,
+               "messages": [{"role": "user", "content": "abcde"[k] * (300 * 2 ** k)}]}
+              for k in range(5)]
+    tokens = [httpx.post(group[0].url + "/tokenize", json={
+        "model": b["model"], "messages": b["messages"]}).json()["count"] for b in bodies]
+    total = sum(tokens)
+    assert all(2 * sum(part) != total for n in range(6)
+               for part in itertools.combinations(tokens, n))
+
+    def stream(body: dict[str, Any]) -> None:
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                          timeout=30) as reply:
+            assert reply.status_code == 200
+            reply.read()
+
+    def pending() -> int:  # a new connection: either process answers
+        rows = httpx.get(gw.url + "/dashboard/data").json()["backends"]
+        return sum(row["kv"]["prefill_pending"] for row in rows)
+
+    try:
+        wait_for(lambda: all(row["state"] == "ready" and row["kv"]["standing"] == "exact"
+                             for row in httpx.get(gw.url + "/dashboard/data").json()
+                             ["backends"]), 20, "both backends exact")
+        threads = [threading.Thread(target=stream, args=(b,)) for b in bodies]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: all(pending() == total for _ in range(6)), 5,
+                 f"{total} tokens pending, seen from six connections")
+        for thread in threads:
+            thread.join(30)
+        wait_for(lambda: all(pending() == 0 for _ in range(6)), 5, "nothing pending")
+    finally:
+        gw.stop()
         for sim in group:
             sim.stop()

@@ -1,0 +1,111 @@
+"""The prompt tokens still to prefill on each backend, added up across a gateway's serving
+processes. Each process sees only its own requests; multiplying its own pending tokens by
+the number of processes (what ``Prefill`` does without this) is right on average and wrong
+at any instant: with 8 workers, one 2,000-token miss pending in one of them counted as
+16,000 tokens and made the kv policy leave a warm instance for a cold one (issue 38, the
+H100's knee: every such move had a slower first token than staying).
+
+One file, mapped into every serving process: a row per process, which only that process
+writes (no locks), of ``SLOTS`` cells ``(key, tokens)``, the key a backend name's 63-bit
+digest, placed by open addressing from the digest. A reader adds the backend's cell of
+every row. A cell is never emptied, only taken over by another name when it holds 0
+tokens, so a reader's probe never stops early. A process zeroes its row when it starts: a
+worker that died took its requests with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+
+SLOTS = 256  # backend names a process keeps at once (a cell holding 0 is taken over)
+CELL = 2  # int64s: the key, then the tokens
+ROW = SLOTS * CELL
+FILE = "pending"  # the file's name in the KV index's directory
+
+
+def key(name: str) -> int:
+    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"vgw-pend").digest()
+    return (int.from_bytes(digest, "big") >> 1) | 1  # positive, never 0 (an empty cell)
+
+
+def create(path: str, rows: int) -> None:
+    """The file for ``rows`` processes, all zero (the control process, before workers)."""
+    with open(path, "wb") as f:
+        f.truncate(rows * ROW * 8)
+
+
+class Pending:
+    """This process's row to write, every row to read."""
+
+    def __init__(self, path: str, row: int, rows: int) -> None:
+        if not 0 <= row < rows:
+            raise ValueError(f"row {row} of {rows}")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size < rows * ROW * 8:
+                raise ValueError(f"{path}: smaller than {rows} rows")
+            self._map = mmap.mmap(fd, rows * ROW * 8)
+        finally:
+            os.close(fd)
+        self._cells = memoryview(self._map).cast("q")
+        self._base, self._rows = row * ROW, rows
+        self._keys: dict[str, int] = {}  # name -> its key
+        self._at: dict[str, int] = {}  # name -> its cell in this row
+        self._names: dict[int, str] = {}  # cell -> the name it holds here
+        self._cells[self._base:self._base + ROW] = memoryview(bytes(ROW * 8)).cast("q")
+
+    def put(self, name: str, tokens: int) -> bool:
+        """This process's pending tokens on ``name`` (False: the row is full)."""
+        at = self._at.get(name)
+        if at is None:
+            at = self._claim(name)
+            if at is None:
+                return False
+        self._cells[at + 1] = tokens
+        return True
+
+    def total(self, name: str) -> int:
+        """Every process's pending tokens on ``name``."""
+        k = self._key(name)
+        start, cells, total = (k % SLOTS) * CELL, self._cells, 0
+        for base in range(0, self._rows * ROW, ROW):
+            for step in range(SLOTS):
+                at = base + (start + step * CELL) % ROW
+                held = cells[at]
+                if held == k:
+                    total += cells[at + 1]
+                    break
+                if held == 0:
+                    break
+        return total
+
+    def _key(self, name: str) -> int:
+        k = self._keys.get(name)
+        if k is None:
+            k = self._keys[name] = key(name)
+        return k
+
+    def _claim(self, name: str) -> int | None:
+        """A cell of this row for ``name``: its own, an empty one, or one holding 0 tokens
+        for another name (which then has none here)."""
+        k = self._key(name)
+        start, cells = (k % SLOTS) * CELL, self._cells
+        for step in range(SLOTS):
+            at = self._base + (start + step * CELL) % ROW
+            held = cells[at]
+            if held not in (0, k) and cells[at + 1] != 0:
+                continue
+            old = self._names.pop(at, None)
+            if old is not None:
+                self._at.pop(old, None)
+            cells[at + 1] = 0
+            cells[at] = k
+            self._at[name], self._names[at] = at, name
+            return at
+        return None
+
+    def close(self) -> None:
+        self._cells.release()
+        self._map.close()
