@@ -49,6 +49,10 @@ def _chain(parent: Key, ids: bytes | memoryview, extra: object) -> Key:
     return h.digest()
 
 
+def _unpacked(packed: bytes) -> list[Key]:
+    return [packed[i:i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+
+
 def home(blocks: Sequence[Key]) -> Key | None:
     """The key that places a prompt no backend holds: its block at the end of its first
     half (rounded up: 3 of 5 blocks), the half's length rounded down to three significant
@@ -227,24 +231,36 @@ class Index:
     def _hold(self, backend: str, packed: bytes) -> None:
         refs = self._held.setdefault(backend, _Held()).refs
         holders, stale = self._holders, self._stale
-        for i in range(0, len(packed), KEY_BYTES):
-            key = packed[i:i + KEY_BYTES]
+        keys = _unpacked(packed)
+        for key in keys:
             if key not in refs:
                 refs[key] = 1
-                holders.setdefault(key, set()).add(backend)
-            if stale and key in stale:
+                were = holders.get(key)
+                if were is None:
+                    holders[key] = {backend}
+                else:
+                    were.add(backend)
+        if stale:
+            for key in stale.keys() & keys:
                 stale[key].discard(backend)
-            self._unguess(key, backend)
+        self._unguessed(keys, backend)
 
     def _let_go(self, backend: str, packed: bytes) -> None:
         held = self._held.get(backend)
         if held is None:
             return
-        for i in range(0, len(packed), KEY_BYTES):
-            key = packed[i:i + KEY_BYTES]
-            if held.refs.pop(key, None) is not None:
+        keys, refs = _unpacked(packed), held.refs
+        for key in keys:
+            if refs.pop(key, None) is not None:
                 self._release(key, backend)
-            self._unguess(key, backend)
+        self._unguessed(keys, backend)
+
+    def _unguessed(self, keys: list[Key], backend: str) -> None:
+        """``_unguess`` of each of ``keys``, looking only at those guessed."""
+        guesses = self._guesses
+        if guesses:
+            for key in guesses.keys() & keys:
+                self._unguess(key, backend)
 
     def match(self, keys: Iterable[Key]) -> dict[str, int]:
         """For each backend holding the first block: how many leading blocks it holds."""
