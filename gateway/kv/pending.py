@@ -3,7 +3,8 @@ processes. Each process sees only its own requests; multiplying its own pending 
 the number of processes (what ``Prefill`` does without this) is right on average and wrong
 at any instant: with 8 workers, one 2,000-token miss pending in one of them counted as
 16,000 tokens and made the kv policy leave a warm instance for a cold one (issue 38, the
-H100's knee: every such move had a slower first token than staying).
+H100's knee: in five sixths of the rising rate the requests so moved had a slower first
+token than those that stayed, in the sixth equal; ``bench/kv_rules.py``).
 
 One file, mapped into every serving process: a row per process, which only that process
 writes (no locks), of ``SLOTS`` cells ``(key, tokens)``, the key a backend name's 63-bit
