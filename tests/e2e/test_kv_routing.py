@@ -237,7 +237,12 @@ def test_every_worker_counts_the_prefill_pending_in_all_of_them(tmp_path: Path,
                         f'kv_events = "ipc://{sockets}/w{i}.pub"\n'
                         f'kv_replay = "ipc://{sockets}/w{i}.replay"\n'
                         for i, sim in enumerate(group)))
-    gw = Gateway(tmp_path, config, name="kv-pending", workers=2)
+    try:
+        gw = Gateway(tmp_path, config, name="kv-pending", workers=2)
+    except BaseException:
+        for sim in group:
+            sim.stop()
+        raise
     bodies = [{"model": "sim-model", "max_tokens": 1, "stream": True,
                "messages": [{"role": "user", "content": "abcde"[k] * (300 * 2 ** k)}]}
               for k in range(5)]
