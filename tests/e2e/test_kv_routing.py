@@ -237,44 +237,45 @@ def test_every_worker_counts_the_prefill_pending_in_all_of_them(tmp_path: Path,
                         f'kv_events = "ipc://{sockets}/w{i}.pub"\n'
                         f'kv_replay = "ipc://{sockets}/w{i}.replay"\n'
                         for i, sim in enumerate(group)))
-    try:
-        gw = Gateway(tmp_path, config, name="kv-pending", workers=2)
-    except BaseException:
-        for sim in group:
-            sim.stop()
-        raise
     bodies = [{"model": "sim-model", "max_tokens": 1, "stream": True,
                "messages": [{"role": "user", "content": "abcde"[k] * (300 * 2 ** k)}]}
               for k in range(5)]
-    tokens = [httpx.post(group[0].url + "/tokenize", json={
-        "model": b["model"], "messages": b["messages"]}).json()["count"] for b in bodies]
-    total = sum(tokens)
-    assert all(2 * sum(part) != total for n in range(6)
-               for part in itertools.combinations(tokens, n))
+    statuses: list[int] = []
+    gw: Gateway | None = None
 
     def stream(body: dict[str, Any]) -> None:
+        assert gw is not None
         with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
                           timeout=30) as reply:
-            assert reply.status_code == 200
             reply.read()
+            statuses.append(reply.status_code)
 
     def pending() -> int:  # a new connection: either process answers
+        assert gw is not None
         rows = httpx.get(gw.url + "/dashboard/data").json()["backends"]
         return sum(row["kv"]["prefill_pending"] for row in rows)
 
     try:
+        tokens = [httpx.post(group[0].url + "/tokenize", json={
+            "model": b["model"], "messages": b["messages"]}).json()["count"] for b in bodies]
+        total = sum(tokens)
+        assert all(2 * sum(part) != total for n in range(6)
+                   for part in itertools.combinations(tokens, n))
+        gw = Gateway(tmp_path, config, name="kv-pending", workers=2)
         wait_for(lambda: all(row["state"] == "ready" and row["kv"]["standing"] == "exact"
                              for row in httpx.get(gw.url + "/dashboard/data").json()
                              ["backends"]), 20, "both backends exact")
-        threads = [threading.Thread(target=stream, args=(b,)) for b in bodies]
+        threads = [threading.Thread(target=stream, args=(b,), daemon=True) for b in bodies]
         for thread in threads:
             thread.start()
         wait_for(lambda: all(pending() == total for _ in range(6)), 5,
                  f"{total} tokens pending, seen from six connections")
         for thread in threads:
             thread.join(30)
+        assert statuses == [200] * 5
         wait_for(lambda: all(pending() == 0 for _ in range(6)), 5, "nothing pending")
     finally:
-        gw.stop()
+        if gw is not None:
+            gw.stop()
         for sim in group:
             sim.stop()
