@@ -1,16 +1,21 @@
-"""The prompt tokens still to prefill on each backend, added up across a gateway's serving
-processes. Each process sees only its own requests; multiplying its own pending tokens by
-the number of processes (what ``Prefill`` does without this) is right on average and wrong
-at any instant: with 8 workers, one 2,000-token miss pending in one of them counted as
-16,000 tokens and made the kv policy leave a warm instance for a cold one (issue 38, the
-H100's knee: in five sixths of the rising rate the requests so moved had a slower first
-token than those that stayed, in the sixth equal; ``bench/kv_rules.py``).
+"""The prompt tokens still to prefill on each backend, and the requests the kv policy sent
+there that have not ended, added up across a gateway's serving processes. Each process sees
+only its own requests; multiplying its own pending tokens by the number of processes (what
+``Prefill`` does without this) is right on average and wrong at any instant: with 8 workers,
+one 2,000-token miss pending in one of them counted as 16,000 tokens and made the kv policy
+leave a warm instance for a cold one (issue 38, the H100's knee: in five sixths of the
+rising rate the requests so moved had a slower first token than those that stayed, in the
+sixth equal; ``bench/kv_rules.py``).
+
+The same holds for requests in flight: the kv policy places a prompt cached nowhere at its
+home with bounded load, which with a process's own count (about one request per instance
+at 125 requests/s over 8 workers) spilled 15 to 23 % of them to a second home, a copy each.
 
 One file, mapped into every serving process: a row per process, which only that process
-writes (no locks), of ``SLOTS`` cells ``(key, tokens)``, the key a backend name's 63-bit
-digest, placed by open addressing from the digest. A reader adds the backend's cell of
-every row. A cell is never emptied, only taken over by another name when it holds 0
-tokens, so a reader's probe never stops early. A process zeroes its row when it starts: a
+writes (no locks), of ``SLOTS`` cells ``(key, tokens, requests)``, the key a backend name's
+63-bit digest, placed by open addressing from the digest. A reader adds the backend's cell
+of every row. A cell is never emptied, only taken over by another name when it holds
+nothing, so a reader's probe never stops early. A process zeroes its row when it starts: a
 worker that died took its requests with it.
 """
 
@@ -21,7 +26,8 @@ import mmap
 import os
 
 SLOTS = 256  # backend names a process keeps at once (a cell holding 0 is taken over)
-CELL = 2  # int64s: the key, then the tokens
+CELL = 3  # int64s: the key, the tokens, the requests
+TOKENS, REQUESTS = 1, 2  # a value's place in its cell
 ROW = SLOTS * CELL
 FILE = "pending"  # the file's name in the KV index's directory
 
@@ -57,18 +63,20 @@ class Pending:
         self._names: dict[int, str] = {}  # cell -> the name it holds here
         self._cells[self._base:self._base + ROW] = memoryview(bytes(ROW * 8)).cast("q")
 
-    def put(self, name: str, tokens: int) -> bool:
-        """This process's pending tokens on ``name`` (False: the row is full)."""
+    def put(self, name: str, tokens: int, requests: int) -> bool:
+        """This process's pending tokens and requests on ``name`` (False: the row is
+        full)."""
         at = self._at.get(name)
         if at is None:
             at = self._claim(name)
             if at is None:
                 return False
-        self._cells[at + 1] = tokens
+        self._cells[at + TOKENS] = tokens
+        self._cells[at + REQUESTS] = requests
         return True
 
-    def total(self, name: str) -> int:
-        """Every process's pending tokens on ``name``."""
+    def total(self, name: str, value: int = TOKENS) -> int:
+        """Every process's pending tokens (or ``REQUESTS``) on ``name``."""
         k = self._key(name)
         start, cells, total = (k % SLOTS) * CELL, self._cells, 0
         for base in range(0, self._rows * ROW, ROW):
@@ -76,7 +84,7 @@ class Pending:
                 at = base + (start + step * CELL) % ROW
                 held = cells[at]
                 if held == k:
-                    total += cells[at + 1]
+                    total += cells[at + value]
                     break
                 if held == 0:
                     break
@@ -89,19 +97,19 @@ class Pending:
         return k
 
     def _claim(self, name: str) -> int | None:
-        """A cell of this row for ``name``: its own, an empty one, or one holding 0 tokens
+        """A cell of this row for ``name``: its own, an empty one, or one holding nothing
         for another name (which then has none here)."""
         k = self._key(name)
         start, cells = (k % SLOTS) * CELL, self._cells
         for step in range(SLOTS):
             at = self._base + (start + step * CELL) % ROW
             held = cells[at]
-            if held not in (0, k) and cells[at + 1] != 0:
+            if held not in (0, k) and (cells[at + TOKENS] or cells[at + REQUESTS]):
                 continue
             old = self._names.pop(at, None)
             if old is not None:
                 self._at.pop(old, None)
-            cells[at + 1] = 0
+            cells[at + TOKENS] = cells[at + REQUESTS] = 0
             cells[at] = k
             self._at[name], self._names[at] = at, name
             return at

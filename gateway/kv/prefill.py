@@ -5,12 +5,13 @@ rate``. The rate is measured per instance from the streams it served (tokens it 
 prefill, its own and those ahead of it, over the time to the first byte), not set by
 hand; until an instance has been measured it counts at the others' mean (or ``PRIOR``,
 which then only scales every backend alike). With several serving processes the tokens
-pending are every process's, added up in a shared map (``gateway.kv.pending``).
+pending are every process's, added up in a shared map (``gateway.kv.pending``), as are the
+requests the kv policy sent to each backend that have not ended (its bounded load).
 """
 
 from __future__ import annotations
 
-from gateway.kv.pending import Pending
+from gateway.kv.pending import REQUESTS, Pending
 
 PRIOR = 10_000.0  # tokens/s: only a common scale until a backend is measured
 WEIGH = 0.2  # the weight of each new measurement in the rate (an exponential mean)
@@ -18,15 +19,16 @@ LEAST = 64  # tokens: a measurement of less prefill than this says little of the
 
 
 class Prefill:
-    """``shared``: every serving process's pending tokens. Without it (no such map could be
-    opened) ``scale`` stands for the serving processes that share the instances: each
-    sees about 1/``scale`` of the requests, and what it holds pending is counted ``scale``
-    times, in waits and in measurements alike."""
+    """``shared``: every serving process's pending tokens and requests. Without it (no such map
+    could be opened) ``scale`` stands for the serving processes that share the instances:
+    each sees about 1/``scale`` of the requests, and what it holds pending is counted
+    ``scale`` times, in waits and in measurements alike."""
 
     def __init__(self, scale: int = 1, shared: Pending | None = None) -> None:
         self.scale = 1 if shared is not None else scale
         self.shared = shared
         self.pending: dict[str, int] = {}  # this process's tokens sent and not prefilled
+        self.requests: dict[str, int] = {}  # this process's requests sent and not ended
         self.rates: dict[str, float] = {}  # measured tokens/s, per backend
         self.unshared = 0  # changes the shared map had no room for (the others miss them)
 
@@ -35,6 +37,19 @@ class Prefill:
         if self.shared is not None:
             return self.shared.total(backend)
         return self.scale * self.pending.get(backend, 0)
+
+    def in_flight(self, backend: str) -> int | None:
+        """Requests sent to ``backend`` and not ended, by every serving process (None:
+        only this process's are known, which ``Backend.in_flight`` says)."""
+        return self.shared.total(backend, REQUESTS) if self.shared is not None else None
+
+    def entered(self, backend: str) -> None:
+        """A request was sent to ``backend``."""
+        self._share(backend, requests=self.requests.get(backend, 0) + 1)
+
+    def left(self, backend: str) -> None:
+        """A request sent to ``backend`` ended (or was sent elsewhere)."""
+        self._share(backend, requests=self.requests.get(backend, 0) - 1)
 
     def rate(self, backend: str) -> float:
         rate = self.rates.get(backend)
@@ -50,12 +65,12 @@ class Prefill:
         """``tokens`` to prefill were sent to ``backend``; what was ahead of them (of all
         the processes')."""
         ahead = self.ahead(backend)
-        self._set(backend, self.pending.get(backend, 0) + tokens)
+        self._share(backend, tokens=self.pending.get(backend, 0) + tokens)
         return ahead
 
     def done(self, backend: str, tokens: int) -> None:
         """Those tokens are prefilled (the first byte came) or will never be (it ended)."""
-        self._set(backend, self.pending.get(backend, 0) - tokens)
+        self._share(backend, tokens=self.pending.get(backend, 0) - tokens)
 
     def measured(self, backend: str, tokens: int, seconds: float) -> None:
         """``backend`` prefilled ``tokens`` (a request's and those ahead of it) in
@@ -67,14 +82,19 @@ class Prefill:
         self.rates[backend] = sample if rate is None else rate + WEIGH * (sample - rate)
 
     def drop(self, backend: str) -> None:
-        self._set(backend, 0)
+        self._share(backend, tokens=0)
         self.rates.pop(backend, None)
 
-    def _set(self, backend: str, tokens: int) -> None:
-        if tokens > 0:
-            self.pending[backend] = tokens
-        else:
-            tokens = 0
-            self.pending.pop(backend, None)
-        if self.shared is not None and not self.shared.put(backend, tokens):
+    def _share(self, backend: str, tokens: int | None = None,
+               requests: int | None = None) -> None:
+        """This process's new count(s) for ``backend``, kept and written to the map."""
+        for count, mine in ((tokens, self.pending), (requests, self.requests)):
+            if count is None:
+                continue
+            if count > 0:
+                mine[backend] = count
+            else:
+                mine.pop(backend, None)
+        if self.shared is not None and not self.shared.put(
+                backend, self.pending.get(backend, 0), self.requests.get(backend, 0)):
             self.unshared += 1

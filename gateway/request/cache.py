@@ -67,11 +67,15 @@ class Prediction:
     _ahead = 0  # tokens to prefill there before it, when it was sent
     _tokens = 0  # its own, not cached there
     _at = 0.0
+    _in: str | None = None  # the backend whose count of requests holds this one
 
     def sent(self, backend: str) -> None:
         if self._on is not None:  # the attempt before failed: its guess goes
             self.feeds.index.unguess(self._on, self._of(self._on))
         self._release()
+        self._leave()
+        self.feeds.prefill.entered(backend)
+        self._in = backend
         keys = self._of(backend)
         self.feeds.index.guess(backend, keys)
         self.feeds.estimate.sent(backend, keys)
@@ -86,6 +90,7 @@ class Prediction:
 
     def ended(self, backend: str | None, found: int | None) -> None:
         self._release()
+        self._leave()
         if backend is None or found is None or backend not in self.sizes:
             return
         size = self.sizes[backend]
@@ -105,6 +110,11 @@ class Prediction:
         if self._on is not None:
             self.feeds.prefill.done(self._on, self._tokens)
             self._on = None
+
+    def _leave(self) -> None:
+        if self._in is not None:
+            self.feeds.prefill.left(self._in)
+            self._in = None
 
     def _of(self, backend: str) -> list[Key]:
         return self.blocks.get(self.sizes.get(backend, 0), [])
@@ -186,6 +196,9 @@ class CacheLookup:
             uncached = cached.tokens - cached.get(name, 0)
             cached.waits[name] = feeds.prefill.wait(name, uncached)
             cached.own[name] = uncached / feeds.prefill.rate(name)
+            flights = feeds.prefill.in_flight(name)
+            if flights is not None:
+                cached.flights[name] = flights
         return prediction
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:

@@ -11,10 +11,10 @@ wait made each yield a miss that evicted another prompt, a loop that took the hi
 from 0.75 to 0.23 as load rose.
 
 A prompt of which nothing (or under half) is cached anywhere goes to its home: the
-rendezvous hash of its head's key (``gateway.kv.index.home``) with bounded load, as the
-``prefix`` policy places prompts, so a prompt evicted everywhere comes back where it was
-and the others' caches keep theirs. A request whose prediction is unknown goes to the
-least loaded.
+rendezvous hash of its head's key (``gateway.kv.index.home``) with bounded load (every
+serving process's requests, ``gateway.kv.pending``), as the ``prefix`` policy places
+prompts, so a prompt evicted everywhere comes back where it was and the others' caches keep
+theirs. A request whose prediction is unknown goes to the least loaded.
 
 The rule that decided is written on the prediction: ``cached`` (the longest cached
 prefix), ``prefill`` (the warm instance's wait would cost more than the move),
@@ -70,7 +70,7 @@ class KvAware:
             if cached.home is None:
                 cached.rule = cached.rule if best else "least_loaded"
                 return self._least.choose(open_, request)
-            return bounded(cached.home, open_, FACTOR)
+            return bounded(cached.home, open_, FACTOR, cached.flights)
         chosen = self._warm(open_, request, cached)
         if cached.get(chosen.name, 0) == best:
             cached.rule = "cached"

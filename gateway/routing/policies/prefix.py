@@ -5,7 +5,7 @@ popular prefix from overloading its backend."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from backends.backend import Backend
 from gateway.routing.hashing import ranked
@@ -32,13 +32,19 @@ def prompt_head(payload: dict[str, object], chars: int) -> bytes:
     return str(prompt or "")[:chars].encode()
 
 
-def bounded(key: bytes, candidates: Sequence[Backend], factor: float) -> Backend:
+def bounded(key: bytes, candidates: Sequence[Backend], factor: float,
+            flights: Mapping[str, int] | None = None) -> Backend:
     """``key``'s first backend in rendezvous order that takes no more than ``factor`` x the
-    average in flight (counting this request): consistent hashing with bounded load."""
-    total = sum(b.in_flight for b in candidates) + 1
-    cap = math.ceil(total * factor / len(candidates))
+    average in flight (counting this request): consistent hashing with bounded load.
+    ``flights``: requests in flight per backend, when known better than this process's."""
+    if flights:
+        load = [flights.get(b.name, b.in_flight) for b in candidates]
+    else:
+        load = [b.in_flight for b in candidates]
+    cap = math.ceil((sum(load) + 1) * factor / len(candidates))
     order = ranked(key, candidates)
-    return next((b for b in order if b.in_flight < cap), order[0])
+    within = {b.name for b, n in zip(candidates, load, strict=True) if n < cap}
+    return next((b for b in order if b.name in within), order[0])
 
 
 class PrefixAware:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from gateway.kv.pending import SLOTS, Pending, create
+from gateway.kv.pending import REQUESTS, SLOTS, Pending, create
 from gateway.kv.prefill import PRIOR, Prefill
 
 
 def _hold(path: str, row: int, rows: int, tokens: dict[str, int], ready, stop) -> None:  # type: ignore[no-untyped-def]
     pending = Pending(path, row, rows)
     for name, n in tokens.items():
-        pending.put(name, n)
+        pending.put(name, n, row)  # the process's number: its requests there
     ready.set()
     stop.wait(30)
 
@@ -39,11 +39,13 @@ def test_a_reader_adds_up_what_every_other_process_holds_pending(tmp_path: Path)
         for ready in readies:
             assert ready.wait(30)
         me = Pending(path, 0, rows)
-        me.put("vllm-1", 100)
+        me.put("vllm-1", 100, 4)
         assert me.total("vllm-1") == 2_600
         assert me.total("vllm-2") == 30
         assert me.total("vllm-3") == 7
         assert me.total("vllm-4") == 0
+        assert me.total("vllm-1", REQUESTS) == 4 + 1 + 2
+        assert me.total("vllm-3", REQUESTS) == 3
     finally:
         stop.set()
         for proc in procs:
@@ -56,11 +58,11 @@ def test_a_process_that_starts_again_in_a_row_clears_what_its_predecessor_held(
     path = str(tmp_path / "pending")
     create(path, 2)
     dead = Pending(path, 1, 2)
-    dead.put("vllm-1", 4_000)  # then killed with those requests
+    dead.put("vllm-1", 4_000, 2)  # then killed with those requests
     reader = Pending(path, 0, 2)
     assert reader.total("vllm-1") == 4_000
     Pending(path, 1, 2)  # its successor
-    assert reader.total("vllm-1") == 0
+    assert reader.total("vllm-1") == 0 and reader.total("vllm-1", REQUESTS) == 0
 
 
 def test_names_past_a_rows_cells_take_over_those_holding_nothing(tmp_path: Path) -> None:
@@ -68,17 +70,21 @@ def test_names_past_a_rows_cells_take_over_those_holding_nothing(tmp_path: Path)
     create(path, 2)
     writer, reader = Pending(path, 0, 2), Pending(path, 1, 2)
     for i in range(SLOTS):
-        assert writer.put(f"b{i}", i + 1)
-    assert not writer.put("one-more", 5)  # every cell holds tokens: no room
+        assert writer.put(f"b{i}", i + 1, 0)
+    assert not writer.put("one-more", 5, 1)  # every cell holds tokens: no room
     assert [reader.total(f"b{i}") for i in (0, 17, SLOTS - 1)] == [1, 18, SLOTS]
+    writer.put("b1", 0, 1)  # no tokens, a request still in flight: kept
     for i in range(0, SLOTS, 2):
-        writer.put(f"b{i}", 0)  # done: these cells may be taken over
+        writer.put(f"b{i}", 0, 0)  # done: these cells may be taken over
     for i in range(SLOTS // 2):
-        assert writer.put(f"new{i}", 1_000 + i)
+        assert writer.put(f"new{i}", 1_000 + i, 0)
+    assert not writer.put("one-more", 5, 1)
+    assert reader.total("b1", REQUESTS) == 1
+    writer.put("b1", 2, 0)
     assert all(reader.total(f"new{i}") == 1_000 + i for i in range(SLOTS // 2))
-    assert all(reader.total(f"b{i}") == i + 1 for i in range(1, SLOTS, 2))
+    assert all(reader.total(f"b{i}") == i + 1 for i in range(3, SLOTS, 2))
     assert all(reader.total(f"b{i}") == 0 for i in range(0, SLOTS, 2))
-    writer.put("b1", 9)  # a name that kept its cell writes there still
+    writer.put("b1", 9, 0)  # a name that kept its cell writes there still
     assert reader.total("b1") == 9
 
 
@@ -107,3 +113,19 @@ def test_prefill_waits_count_every_processs_pending_tokens_not_its_own_times_n(
     assert mine.ahead("warm") == 50
     mine.drop("warm")
     assert other.ahead("warm") == 0
+
+
+def test_requests_in_flight_are_every_processs_and_none_without_the_map(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "pending")
+    create(path, 2)
+    mine, other = (Prefill(2, Pending(path, row, 2)) for row in (0, 1))
+    for _ in range(3):
+        other.entered("vllm-1")
+    mine.entered("vllm-1")
+    assert mine.in_flight("vllm-1") == 4 and other.in_flight("vllm-1") == 4
+    other.left("vllm-1")
+    mine.left("vllm-1")
+    mine.left("vllm-1")  # more than it sent (a restart): none, not fewer
+    assert mine.in_flight("vllm-1") == 2
+    assert Prefill(2).in_flight("vllm-1") is None  # Backend.in_flight stands

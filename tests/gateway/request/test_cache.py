@@ -6,6 +6,7 @@ another route, a salted cache) goes to the least loaded."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -15,7 +16,8 @@ from gateway.build import Parts
 from gateway.kv.events import decode
 from gateway.kv.feed import Feed, Feeds
 from gateway.kv.index import Index
-from gateway.kv.prefill import PRIOR
+from gateway.kv.pending import Pending, create
+from gateway.kv.prefill import PRIOR, Prefill
 from gateway.request.cache import CacheLookup
 from tests import factories
 from tests.fakes import FakeUpstream, Reply, always, call, completion
@@ -229,6 +231,31 @@ def test_the_prefill_a_backend_has_to_do_counts_until_its_first_byte() -> None:
         second.began(loop.time() + 0.01, stream=False)  # a whole reply: no measurement
         second.ended("a", None)  # nothing released twice
         assert feeds.prefill.pending == {} and feeds.prefill.rate("a") <= 20_000
+    asyncio.run(main())
+
+
+def test_a_request_counts_in_flight_where_it_was_sent_until_it_ends(tmp_path: Path) -> None:
+    """With the workers' shared map, each request counts once among the requests in flight
+    on the backend it was last sent to (a retry moves it), until it ends; the next
+    prediction carries every process's counts for the kv policy's bounded load."""
+    parts = kv_gateway(FakeUpstream())
+    feeds = fed(parts, "a")
+    create(str(tmp_path / "map"), 2)
+    feeds.prefill = Prefill(2, Pending(str(tmp_path / "map"), 0, 2))
+    other = Prefill(2, Pending(str(tmp_path / "map"), 1, 2))
+    other.entered("a")  # another worker's request
+    lookup = CacheLookup(feeds, FakeUpstream(), parts.pool)
+
+    async def main() -> None:
+        first, second = lookup.predict(BIG, ["a"]), lookup.predict(BIG, ["a"])
+        first.sent("a")
+        second.sent("b")
+        second.sent("a")  # the attempt on b failed: moved
+        assert lookup.predict(BIG, ["a", "b"]).cached.flights == {"a": 3, "b": 0}
+        first.ended("a", 0)
+        second.ended("a", 0)
+        second.ended("a", 0)  # nothing released twice
+        assert lookup.predict(BIG, ["a", "b"]).cached.flights == {"a": 1, "b": 0}
     asyncio.run(main())
 
 

@@ -134,3 +134,24 @@ def test_kv_places_a_prompt_cached_nowhere_at_its_home_with_bounded_load() -> No
     busy = next(b for b in backends if b.name == home)
     busy.in_flight = 10  # over 1.25 x the average in flight
     assert place(b"document 7")[0] != home
+
+
+def test_kv_bounds_a_homes_load_by_every_processs_requests_when_it_knows_them() -> None:
+    """With several serving processes, this one's own count says little: one request of
+    its own on the home, none elsewhere, passed the cap of 1.25 x the average (a copy of the
+    prompt in a second cache). Counted over every process (``Cached.flights``), the home
+    keeps it while it holds no more than the others, and passes it on when it does."""
+    backends = pool(4)
+    policy = KvAware()
+
+    def place(flights: dict[str, int]) -> str:
+        cached = Cached(900, home=b"document 7")
+        cached.flights.update(flights)
+        return policy.choose(backends, dataclasses.replace(request(), cached=cached)).name
+
+    home = place({})
+    busy = next(b for b in backends if b.name == home)
+    busy.in_flight = 2  # this process's own: more than its share of 3
+    assert place({}) != home
+    assert place({b.name: 9 for b in backends}) == home  # every process's: even
+    assert place({**{b.name: 9 for b in backends}, home: 14}) != home
