@@ -138,7 +138,7 @@ def _sim(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         kv_events=args.kv_events, kv_replay=args.kv_replay, kv_block=args.kv_block,
         kv_blocks=args.kv_blocks, kv_drop=args.kv_drop, token_details=args.token_details,
-        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        prefill_rate=args.prefill_rate, dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
         sleep_mode=args.enable_sleep_mode, wake_delay=args.wake_delay,
         wake_garbles=args.wake_garbles, enable_lora=args.enable_lora, max_loras=args.max_loras,
         runtime_lora=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
@@ -234,6 +234,9 @@ def _sim_command(sub: Subparsers) -> None:
                      help="served model name, repeatable; NAME:itl=0.2,tokens=8 gives that "
                           "model its own options (x-sim syntax)")
     sim.add_argument("--ttft", type=float, default=0.0, help="seconds to the first token")
+    sim.add_argument("--prefill-rate", type=float, default=0.0,
+                     help="uncached prompt tokens prefilled a second, one prompt after "
+                          "another (added to --ttft); 0 = no prefill time")
     sim.add_argument("--itl", type=float, default=0.0, help="seconds between tokens")
     sim.add_argument("--tokens", type=int, default=16, help="output tokens without max_tokens")
     sim.add_argument("--max-prompt-len", type=int, default=0, help="400 above this; 0 = off")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -58,6 +59,7 @@ class SimApp:
         self.stats = SimStats()
         self._kv = (KvPublisher(options.kv_events, options.kv_replay, options.kv_drop)
                     if options.kv_events else None)
+        self._prefill_free = 0.0  # loop time when the prefill queued so far is done
         self.prefix = PrefixCache(options.kv_blocks, options.kv_block,
                                   self._kv.publish if self._kv is not None else None)
         self._random = random.Random(options.seed)
@@ -222,6 +224,8 @@ class SimApp:
                     await self._slots.acquire()  # queued behind the requests generating
                 finally:
                     self.stats.waiting -= 1
+            if opts.prefill_rate:
+                opts = self._prefilled(opts, len(prompt) - cached[0])
             await self._generate(send, body, completion, opts, usage)
         except asyncio.CancelledError:
             self.stats.cancelled += 1
@@ -231,6 +235,13 @@ class SimApp:
             raise
         finally:
             watcher.cancel()
+
+    def _prefilled(self, opts: SimOptions, uncached: int) -> SimOptions:
+        """``opts`` with its first token after the prefill queued before it and its own."""
+        now = asyncio.get_running_loop().time()
+        start = max(now, self._prefill_free)
+        self._prefill_free = start + uncached / opts.prefill_rate
+        return dataclasses.replace(opts, ttft=opts.ttft + self._prefill_free - now)
 
     async def _generate(self, send: Send, body: dict[str, Any], completion: Completion,
                         opts: SimOptions, usage: bool) -> None:

@@ -47,6 +47,10 @@ class SimOptions:
     kv_blocks: int = 200_000
     kv_drop: int = 0
     token_details: bool = False
+    # Prompt tokens the instance prefills a second, one prompt after another (its uncached
+    # tokens only): a request's first token waits for the prefill queued before it and its
+    # own, which makes a cache hit faster and a hot instance slower. 0: no prefill time.
+    prefill_rate: float = 0.0
     # vLLM's sleep mode (backends/sim/sleep.py): its dev routes (VLLM_SERVER_DEV_MODE=1),
     # --enable-sleep-mode, seconds a wake takes, and the fault of wrong answers after a wake.
     dev_mode: bool = False

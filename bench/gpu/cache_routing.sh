@@ -29,7 +29,9 @@
 # LORA=1: the instances also serve LoRA adapters (--enable-lora --max-loras 2, runtime
 # loading allowed), so that bench/gpu/lora.sh (URLS=...) can use the same four instances.
 # SIM=1: simulators (`python -m gateway sim`, same ports, same KV events and cache size)
-# instead of vLLM, to check the whole flow on a machine without a GPU.
+# instead of vLLM, to check the whole flow on a machine without a GPU. SIM_PREFILL: their
+# prefill rate (tokens/s, one prompt after another), so that a hit is quicker than a miss
+# and an instance can be hot: a knee on the 2-core machine (about 5000 puts it at 20-40/s).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 W=${WORKDIR:-/tmp/gw}
@@ -55,7 +57,7 @@ instance() {  # n (1..4): vLLM (or the simulator) on :800n, KV events on :555n, 
   if [ -n "${SIM:-}" ]; then
     [ "${LORA:-}" = 1 ] && lora=(--enable-lora --max-loras 2 --lora-load-delay 0.2)
     setsid nohup env VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 $PY -m gateway sim --port "800$n" --model test \
-      --ttft "${SIM_TTFT:-0.01}" "${lora[@]}" \
+      --ttft "${SIM_TTFT:-0.01}" ${SIM_PREFILL:+--prefill-rate "$SIM_PREFILL"} "${lora[@]}" \
       --itl 0.002 --kv-events "tcp://*:555$n" --kv-replay "tcp://*:556$n" --kv-block 16 \
       --kv-blocks "$BLOCKS" --token-details > "$W/logs/vllm-$n.log" 2>&1 < /dev/null &
   else
