@@ -16,7 +16,7 @@ from backends.sim.bodies import Completion, first_token, prompt_bytes
 from backends.sim.kvpub import KvPublisher, lifespan
 from backends.sim.lora import Lora
 from backends.sim.options import Fault, SimOptions
-from backends.sim.prefix import PrefixCache
+from backends.sim.prefix import PrefillQueue, PrefixCache
 from backends.sim.replies import error_body
 from backends.sim.sleep import GARBLE, Sleep
 from backends.sim.writer import JSON, SSE, SimulatedCrash, respond, write
@@ -59,7 +59,7 @@ class SimApp:
         self.stats = SimStats()
         self._kv = (KvPublisher(options.kv_events, options.kv_replay, options.kv_drop)
                     if options.kv_events else None)
-        self._prefill_free = 0.0  # loop time when the prefill queued so far is done
+        self.prefill = PrefillQueue()
         self.prefix = PrefixCache(options.kv_blocks, options.kv_block,
                                   self._kv.publish if self._kv is not None else None)
         self._random = random.Random(options.seed)
@@ -224,8 +224,9 @@ class SimApp:
                     await self._slots.acquire()  # queued behind the requests generating
                 finally:
                     self.stats.waiting -= 1
-            if opts.prefill_rate:
-                opts = self._prefilled(opts, len(prompt) - cached[0])
+            if opts.prefill_rate:  # the first token after the prefill queued and its own
+                wait = self.prefill.wait(len(prompt) - cached[0], opts.prefill_rate)
+                opts = dataclasses.replace(opts, ttft=opts.ttft + wait)
             await self._generate(send, body, completion, opts, usage)
         except asyncio.CancelledError:
             self.stats.cancelled += 1
@@ -235,13 +236,6 @@ class SimApp:
             raise
         finally:
             watcher.cancel()
-
-    def _prefilled(self, opts: SimOptions, uncached: int) -> SimOptions:
-        """``opts`` with its first token after the prefill queued before it and its own."""
-        now = asyncio.get_running_loop().time()
-        start = max(now, self._prefill_free)
-        self._prefill_free = start + uncached / opts.prefill_rate
-        return dataclasses.replace(opts, ttft=opts.ttft + self._prefill_free - now)
 
     async def _generate(self, send: Send, body: dict[str, Any], completion: Completion,
                         opts: SimOptions, usage: bool) -> None:

@@ -11,6 +11,7 @@ the blocks' token ids) and a ``BlockRemoved`` for the evicted ones.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -90,3 +91,19 @@ class PrefixCache:
     @property
     def usage(self) -> float:
         return len(self._held) / self._capacity
+
+
+class PrefillQueue:
+    """One instance's prefill (``--prefill-rate``): prompts one after another, each its
+    uncached tokens at the rate, so a hit is quicker than a miss and an instance can be
+    hot (the kv policy's knee, simulated)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._free = 0.0  # when the prefill queued so far is done
+
+    def wait(self, tokens: int, rate: float) -> float:
+        """Seconds until ``tokens`` more, queued now, are prefilled."""
+        now = self._clock()
+        self._free = max(now, self._free) + tokens / rate
+        return self._free - now

@@ -1,15 +1,13 @@
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 
 import msgspec
 import pytest
 
-from backends.sim.app import SimApp
 from backends.sim.options import Fault, SimOptions
-from backends.sim.prefix import BLOCK, PrefixCache
+from backends.sim.prefix import BLOCK, PrefillQueue, PrefixCache
 from backends.sim.replies import DIMENSIONS, embedding_vector, encode_vector, unknown_model
 from backends.sim.validate import CHAT, EMBEDDINGS, Rejected, check_model, parse
 from gateway.kv.events import Removed, Stored, decode
@@ -94,16 +92,10 @@ def test_prefill_rate_queues_each_prompts_uncached_tokens_behind_the_ones_before
     """``--prefill-rate``: a request's first token comes after the prefill queued before it
     and its own uncached tokens at that rate, so a hit goes quicker than a miss and a hot
     instance queues (the kv policy's knee, simulated)."""
-    app = SimApp(SimOptions(prefill_rate=10_000, ttft=0.01))
-
-    async def main() -> None:
-        opts = app.options
-        first = app._prefilled(opts, 1_000)  # 0.1 s of prefill
-        second = app._prefilled(opts, 500)  # behind it: 0.15 s
-        hit = app._prefilled(opts, 20)  # its 20 uncached tokens, behind both
-        assert first.ttft == pytest.approx(0.01 + 0.1, abs=0.005)
-        assert second.ttft == pytest.approx(0.01 + 0.15, abs=0.005)
-        assert hit.ttft == pytest.approx(0.01 + 0.152, abs=0.005)
-        await asyncio.sleep(0.2)  # the queue drained meanwhile
-        assert app._prefilled(opts, 20).ttft == pytest.approx(0.012, abs=0.005)
-    asyncio.run(main())
+    now = [100.0]
+    queue = PrefillQueue(clock=lambda: now[0])
+    assert queue.wait(1_000, 10_000) == pytest.approx(0.1)  # a miss
+    assert queue.wait(500, 10_000) == pytest.approx(0.15)  # behind it
+    assert queue.wait(20, 10_000) == pytest.approx(0.152)  # a hit, behind both
+    now[0] += 1.0  # the queue drained meanwhile
+    assert queue.wait(20, 10_000) == pytest.approx(0.002)
