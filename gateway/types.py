@@ -49,7 +49,7 @@ class Cached(dict[str, int]):
     the key of the prompt's head that places it where nothing holds it (``home``); the
     policy writes the rule that decided, for the access log and the debug header."""
 
-    __slots__ = ("flights", "home", "own", "rule", "standing", "tokens", "waits")
+    __slots__ = ("home", "others", "own", "rule", "standing", "tokens", "waits")
 
     def __init__(self, tokens: int = 0, home: bytes | None = None) -> None:
         super().__init__()
@@ -57,7 +57,7 @@ class Cached(dict[str, int]):
         self.home = home
         self.waits: dict[str, float] = {}
         self.own: dict[str, float] = {}
-        self.flights: dict[str, int] = {}  # every serving process's requests (when known)
+        self.others: dict[str, int] = {}  # the other serving processes' requests in flight
         self.standing: dict[str, str] = {}
         self.rule = ""
 

@@ -39,6 +39,7 @@ from backends.reaper import dies_with
 from gateway.config import CONFIG_ENV, CONFIG_TEXT_ENV, Config
 from gateway.control.role import SLOT_ENV, Kind, Role
 from gateway.control.server import WorkerTable
+from gateway.kv import pending
 from gateway.metrics import MULTIPROC_ENV
 from gateway.workers import UVICORN
 
@@ -207,6 +208,10 @@ class Control:
             self._workers.add(proc.pid)
             code = await proc.wait()
             self._workers.forget(proc.pid)
+            if self._plane.kv is not None:  # its requests ended with it
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(
+                        pending.clear, os.path.join(self._plane.kv, pending.FILE), slot)
             multiprocess.mark_process_dead(proc.pid, env[MULTIPROC_ENV])  # type: ignore[no-untyped-call]
             if self._stopping:
                 return

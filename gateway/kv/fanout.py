@@ -122,13 +122,13 @@ class Publisher:
                                        msgspec.msgpack.encode(whole)])
 
 
-def _pending(directory: str, slot: int | None, processes: int) -> Pending | None:
+def _pending(directory: str, slot: int | None) -> Pending | None:
     """The workers' prefill added up in the control process's map; without it (a worker
     started by hand, a map that cannot be read) each counts its own times ``processes``."""
     if slot is None:
         return None
     try:
-        return Pending(os.path.join(directory, FILE), slot, processes)
+        return Pending(os.path.join(directory, FILE), slot)
     except (OSError, ValueError) as exc:
         log.warning("kv: pending prefill not shared with the other workers: %s", exc)
         return None
@@ -139,7 +139,7 @@ class Mirror(Known):
 
     def __init__(self, index: Index, directory: str, processes: int = 1,
                  slot: int | None = None) -> None:
-        super().__init__(index, processes, _pending(directory, slot, processes))
+        super().__init__(index, processes, _pending(directory, slot))
         self._directory = directory
         self._heard: dict[str, Heard] = {}
         self._heard_at = 0.0  # monotonic time of the last status

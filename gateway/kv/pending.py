@@ -15,8 +15,10 @@ One file, mapped into every serving process: a row per process, which only that 
 writes (no locks), of ``SLOTS`` cells ``(key, tokens, requests)``, the key a backend name's
 63-bit digest, placed by open addressing from the digest. A reader adds the backend's cell
 of every row. A cell is never emptied, only taken over by another name when it holds
-nothing, so a reader's probe never stops early. A process zeroes its row when it starts: a
-worker that died took its requests with it.
+nothing, so a reader's probe never stops early. A process zeroes its row when it starts, and
+the control process zeroes a dead worker's row before starting the next: a worker that
+died took its requests with it. The rows are the file's: the control process sized it for
+its workers.
 """
 
 from __future__ import annotations
@@ -43,16 +45,24 @@ def create(path: str, rows: int) -> None:
         f.truncate(rows * ROW * 8)
 
 
-class Pending:
-    """This process's row to write, every row to read."""
+def clear(path: str, row: int) -> None:
+    """Zero ``row``: its process ended (the control process, before starting another in
+    its slot, which may not get as far as opening the map)."""
+    with open(path, "r+b") as f:
+        f.seek(row * ROW * 8)
+        f.write(bytes(ROW * 8))
 
-    def __init__(self, path: str, row: int, rows: int) -> None:
-        if not 0 <= row < rows:
-            raise ValueError(f"row {row} of {rows}")
+
+class Pending:
+    """This process's row to write, every row to read (as many as the file holds, which
+    the control process sized for its workers)."""
+
+    def __init__(self, path: str, row: int) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            if os.fstat(fd).st_size < rows * ROW * 8:
-                raise ValueError(f"{path}: smaller than {rows} rows")
+            rows = os.fstat(fd).st_size // (ROW * 8)
+            if not 0 <= row < rows:
+                raise ValueError(f"{path}: row {row} of {rows}")
             self._map = mmap.mmap(fd, rows * ROW * 8)
         finally:
             os.close(fd)

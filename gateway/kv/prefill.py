@@ -30,18 +30,21 @@ class Prefill:
         self.pending: dict[str, int] = {}  # this process's tokens sent and not prefilled
         self.requests: dict[str, int] = {}  # this process's requests sent and not ended
         self.rates: dict[str, float] = {}  # measured tokens/s, per backend
-        self.unshared = 0  # changes the shared map had no room for (the others miss them)
+        self.unshared: set[str] = set()  # backends the map had no room for: counted here
 
     def ahead(self, backend: str) -> int:
         """Tokens sent to ``backend`` and not yet prefilled, by every serving process."""
-        if self.shared is not None:
-            return self.shared.total(backend)
-        return self.scale * self.pending.get(backend, 0)
+        if self.shared is None:
+            return self.scale * self.pending.get(backend, 0)
+        mine = self.pending.get(backend, 0) if backend in self.unshared else 0
+        return self.shared.total(backend) + mine
 
-    def in_flight(self, backend: str) -> int | None:
-        """Requests sent to ``backend`` and not ended, by every serving process (None:
-        only this process's are known, which ``Backend.in_flight`` says)."""
-        return self.shared.total(backend, REQUESTS) if self.shared is not None else None
+    def others(self, backend: str) -> int:
+        """Requests the other serving processes sent to ``backend`` and that have not
+        ended (0 without the map: only this process's are known, ``Backend.in_flight``)."""
+        if self.shared is None or backend in self.unshared:
+            return 0
+        return self.shared.total(backend, REQUESTS) - self.requests.get(backend, 0)
 
     def entered(self, backend: str) -> None:
         """A request was sent to ``backend``."""
@@ -81,10 +84,6 @@ class Prefill:
         rate = self.rates.get(backend)
         self.rates[backend] = sample if rate is None else rate + WEIGH * (sample - rate)
 
-    def drop(self, backend: str) -> None:
-        self._share(backend, tokens=0)
-        self.rates.pop(backend, None)
-
     def _share(self, backend: str, tokens: int | None = None,
                requests: int | None = None) -> None:
         """This process's new count(s) for ``backend``, kept and written to the map."""
@@ -95,6 +94,10 @@ class Prefill:
                 mine[backend] = count
             else:
                 mine.pop(backend, None)
-        if self.shared is not None and not self.shared.put(
-                backend, self.pending.get(backend, 0), self.requests.get(backend, 0)):
-            self.unshared += 1
+        if self.shared is None:
+            return
+        if self.shared.put(backend, self.pending.get(backend, 0),
+                           self.requests.get(backend, 0)):
+            self.unshared.discard(backend)
+        else:
+            self.unshared.add(backend)

@@ -196,9 +196,9 @@ class CacheLookup:
             uncached = cached.tokens - cached.get(name, 0)
             cached.waits[name] = feeds.prefill.wait(name, uncached)
             cached.own[name] = uncached / feeds.prefill.rate(name)
-            flights = feeds.prefill.in_flight(name)
-            if flights is not None:
-                cached.flights[name] = flights
+            others = feeds.prefill.others(name)
+            if others:
+                cached.others[name] = others
         return prediction
 
     async def _tokens(self, backend: Backend, body: bytes, rid: str) -> list[int] | None:

@@ -228,10 +228,10 @@ def test_a_conversation_is_routed_by_its_history_without_tokenizing_it_again(
 def test_every_worker_counts_the_prefill_pending_in_all_of_them(tmp_path: Path,
                                                                 sockets: Path) -> None:
     """Two serving processes, five streams of prompts cached nowhere (no two share a
-    block), each waiting 6 s for its first token: whichever process is asked, the tokens
+    block), each waiting 10 s for its first token: whichever process is asked, the tokens
     pending on the backends are all five prompts' (the map the workers share), not what
     that process sent times two (no part of the five sizes adds up to half of them)."""
-    group = sims(tmp_path, sockets, "w", 2, "--ttft", "6")
+    group = sims(tmp_path, sockets, "w", 2, "--ttft", "10")
     config = ('[routing]\npolicy = "kv"\n[health]\ninterval = 0.3\n'
               + "".join(f'[[backends]]\nname = "w{i}"\nurl = "{sim.url}"\n'
                         f'kv_events = "ipc://{sockets}/w{i}.pub"\n'
@@ -268,7 +268,7 @@ def test_every_worker_counts_the_prefill_pending_in_all_of_them(tmp_path: Path,
         threads = [threading.Thread(target=stream, args=(b,), daemon=True) for b in bodies]
         for thread in threads:
             thread.start()
-        wait_for(lambda: all(pending() == total for _ in range(6)), 5,
+        wait_for(lambda: all(pending() == total for _ in range(6)), 8,
                  f"{total} tokens pending, seen from six connections")
         for thread in threads:
             thread.join(30)

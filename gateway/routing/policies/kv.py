@@ -70,7 +70,7 @@ class KvAware:
             if cached.home is None:
                 cached.rule = cached.rule if best else "least_loaded"
                 return self._least.choose(open_, request)
-            return bounded(cached.home, open_, FACTOR, cached.flights)
+            return bounded(cached.home, open_, FACTOR, cached.others)
         chosen = self._warm(open_, request, cached)
         if cached.get(chosen.name, 0) == best:
             cached.rule = "cached"

@@ -33,12 +33,12 @@ def prompt_head(payload: dict[str, object], chars: int) -> bytes:
 
 
 def bounded(key: bytes, candidates: Sequence[Backend], factor: float,
-            flights: Mapping[str, int] | None = None) -> Backend:
+            others: Mapping[str, int] | None = None) -> Backend:
     """``key``'s first backend in rendezvous order that takes no more than ``factor`` x the
     average in flight (counting this request): consistent hashing with bounded load.
-    ``flights``: requests in flight per backend, when known better than this process's."""
-    if flights:
-        load = [flights.get(b.name, b.in_flight) for b in candidates]
+    ``others``: the other serving processes' requests in flight, beside this one's own."""
+    if others:
+        load = [b.in_flight + others.get(b.name, 0) for b in candidates]
     else:
         load = [b.in_flight for b in candidates]
     cap = math.ceil((sum(load) + 1) * factor / len(candidates))

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.kv.pending import REQUESTS, SLOTS, Pending, create
+from gateway.kv.pending import REQUESTS, SLOTS, Pending, clear, create
 from gateway.kv.prefill import PRIOR, Prefill
 
 
 def _hold(path: str, row: int, rows: int, tokens: dict[str, int], ready, stop) -> None:  # type: ignore[no-untyped-def]
-    pending = Pending(path, row, rows)
+    pending = Pending(path, row)
     for name, n in tokens.items():
         pending.put(name, n, row)  # the process's number: its requests there
     ready.set()
@@ -38,7 +38,7 @@ def test_a_reader_adds_up_what_every_other_process_holds_pending(tmp_path: Path)
     try:
         for ready in readies:
             assert ready.wait(30)
-        me = Pending(path, 0, rows)
+        me = Pending(path, 0)
         me.put("vllm-1", 100, 4)
         assert me.total("vllm-1") == 2_600
         assert me.total("vllm-2") == 30
@@ -57,18 +57,18 @@ def test_a_process_that_starts_again_in_a_row_clears_what_its_predecessor_held(
         tmp_path: Path) -> None:
     path = str(tmp_path / "pending")
     create(path, 2)
-    dead = Pending(path, 1, 2)
+    dead = Pending(path, 1)
     dead.put("vllm-1", 4_000, 2)  # then killed with those requests
-    reader = Pending(path, 0, 2)
+    reader = Pending(path, 0)
     assert reader.total("vllm-1") == 4_000
-    Pending(path, 1, 2)  # its successor
+    Pending(path, 1)  # its successor
     assert reader.total("vllm-1") == 0 and reader.total("vllm-1", REQUESTS) == 0
 
 
 def test_names_past_a_rows_cells_take_over_those_holding_nothing(tmp_path: Path) -> None:
     path = str(tmp_path / "pending")
     create(path, 2)
-    writer, reader = Pending(path, 0, 2), Pending(path, 1, 2)
+    writer, reader = Pending(path, 0), Pending(path, 1)
     for i in range(SLOTS):
         assert writer.put(f"b{i}", i + 1, 0)
     assert not writer.put("one-more", 5, 1)  # every cell holds tokens: no room
@@ -88,13 +88,20 @@ def test_names_past_a_rows_cells_take_over_those_holding_nothing(tmp_path: Path)
     assert reader.total("b1") == 9
 
 
-def test_a_map_too_small_or_a_row_out_of_range_is_refused(tmp_path: Path) -> None:
+def test_a_row_past_the_maps_rows_is_refused_and_a_row_cleared_reads_nothing(
+        tmp_path: Path) -> None:
+    """The rows are the file's (the control process sized it for its workers): a worker
+    whose config says more workers gets no row past them. The control process clears a
+    dead worker's row before its successor starts (which may never open the map)."""
     path = str(tmp_path / "pending")
     create(path, 2)
     with pytest.raises(ValueError):
-        Pending(path, 2, 2)
-    with pytest.raises(ValueError):
-        Pending(path, 0, 3)
+        Pending(path, 2)
+    dead, reader = Pending(path, 1), Pending(path, 0)
+    dead.put("vllm-1", 300, 2)
+    assert reader.total("vllm-1") == 300
+    clear(path, 1)
+    assert reader.total("vllm-1") == 0 and reader.total("vllm-1", REQUESTS) == 0
 
 
 def test_prefill_waits_count_every_processs_pending_tokens_not_its_own_times_n(
@@ -103,7 +110,7 @@ def test_prefill_waits_count_every_processs_pending_tokens_not_its_own_times_n(
     for all, not 8,000 (its own times 4), and nothing is ahead where none is pending."""
     path = str(tmp_path / "pending")
     create(path, 4)
-    mine, other = (Prefill(4, Pending(path, row, 4)) for row in (0, 1))
+    mine, other = (Prefill(4, Pending(path, row)) for row in (0, 1))
     assert other.start("warm", 2_000) == 0
     assert mine.ahead("warm") == 2_000 and other.ahead("warm") == 2_000
     assert mine.wait("warm", 100) == pytest.approx(2_100 / PRIOR)
@@ -111,21 +118,36 @@ def test_prefill_waits_count_every_processs_pending_tokens_not_its_own_times_n(
     assert mine.ahead("cold") == 0
     other.done("warm", 2_000)
     assert mine.ahead("warm") == 50
-    mine.drop("warm")
+    mine.done("warm", 50)
     assert other.ahead("warm") == 0
 
 
-def test_requests_in_flight_are_every_processs_and_none_without_the_map(
+def test_the_other_processes_requests_in_flight_and_none_without_the_map(
         tmp_path: Path) -> None:
     path = str(tmp_path / "pending")
     create(path, 2)
-    mine, other = (Prefill(2, Pending(path, row, 2)) for row in (0, 1))
+    mine, other = (Prefill(2, Pending(path, row)) for row in (0, 1))
     for _ in range(3):
         other.entered("vllm-1")
     mine.entered("vllm-1")
-    assert mine.in_flight("vllm-1") == 4 and other.in_flight("vllm-1") == 4
+    assert mine.others("vllm-1") == 3 and other.others("vllm-1") == 1
     other.left("vllm-1")
     mine.left("vllm-1")
     mine.left("vllm-1")  # more than it sent (a restart): none, not fewer
-    assert mine.in_flight("vllm-1") == 2
-    assert Prefill(2).in_flight("vllm-1") is None  # Backend.in_flight stands
+    assert mine.others("vllm-1") == 2 and other.others("vllm-1") == 0
+    assert Prefill(2).others("vllm-1") == 0  # only Backend.in_flight is known
+
+
+def test_a_backend_the_row_has_no_room_for_is_counted_by_its_own_process(
+        tmp_path: Path) -> None:
+    path = str(tmp_path / "pending")
+    create(path, 2)
+    prefill = Prefill(2, Pending(path, 0))
+    for i in range(SLOTS):
+        prefill.entered(f"b{i}")  # every cell holds a request
+    prefill.start("late", 700)
+    assert prefill.unshared == {"late"}
+    assert prefill.ahead("late") == 700 and prefill.others("late") == 0
+    prefill.left("b0")  # a cell holds nothing now: the next change takes it
+    prefill.done("late", 200)
+    assert prefill.unshared == set() and prefill.ahead("late") == 500

@@ -236,13 +236,14 @@ def test_the_prefill_a_backend_has_to_do_counts_until_its_first_byte() -> None:
 
 def test_a_request_counts_in_flight_where_it_was_sent_until_it_ends(tmp_path: Path) -> None:
     """With the workers' shared map, each request counts once among the requests in flight
-    on the backend it was last sent to (a retry moves it), until it ends; the next
-    prediction carries every process's counts for the kv policy's bounded load."""
+    on the backend it was last sent to (a retry moves it), until it ends; a prediction
+    carries the other processes' counts for the kv policy's bounded load (this process's
+    own are ``Backend.in_flight``, read live when the policy chooses)."""
     parts = kv_gateway(FakeUpstream())
     feeds = fed(parts, "a")
     create(str(tmp_path / "map"), 2)
-    feeds.prefill = Prefill(2, Pending(str(tmp_path / "map"), 0, 2))
-    other = Prefill(2, Pending(str(tmp_path / "map"), 1, 2))
+    feeds.prefill = Prefill(2, Pending(str(tmp_path / "map"), 0))
+    other = Prefill(2, Pending(str(tmp_path / "map"), 1))
     other.entered("a")  # another worker's request
     lookup = CacheLookup(feeds, FakeUpstream(), parts.pool)
 
@@ -251,11 +252,15 @@ def test_a_request_counts_in_flight_where_it_was_sent_until_it_ends(tmp_path: Pa
         first.sent("a")
         second.sent("b")
         second.sent("a")  # the attempt on b failed: moved
-        assert lookup.predict(BIG, ["a", "b"]).cached.flights == {"a": 3, "b": 0}
+        assert feeds.prefill.requests == {"a": 2}  # b's count went back with the move
+        assert other.others("a") == 2
+        assert lookup.predict(BIG, ["a", "b"]).cached.others == {"a": 1}  # its own: live
         first.ended("a", 0)
         second.ended("a", 0)
         second.ended("a", 0)  # nothing released twice
-        assert lookup.predict(BIG, ["a", "b"]).cached.flights == {"a": 1, "b": 0}
+        other.left("a")
+        assert lookup.predict(BIG, ["a", "b"]).cached.others == {}
+        assert feeds.prefill.requests == {}
     asyncio.run(main())
 
 

@@ -139,19 +139,21 @@ def test_kv_places_a_prompt_cached_nowhere_at_its_home_with_bounded_load() -> No
 def test_kv_bounds_a_homes_load_by_every_processs_requests_when_it_knows_them() -> None:
     """With several serving processes, this one's own count says little: one request of
     its own on the home, none elsewhere, passed the cap of 1.25 x the average (a copy of the
-    prompt in a second cache). Counted over every process (``Cached.flights``), the home
-    keeps it while it holds no more than the others, and passes it on when it does."""
+    prompt in a second cache). With the other processes' counts (``Cached.others``) beside
+    its own, the home keeps the prompt while it holds no more than the others, and passes
+    it on when it does."""
     backends = pool(4)
     policy = KvAware()
 
-    def place(flights: dict[str, int]) -> str:
+    def place(others: dict[str, int]) -> str:
         cached = Cached(900, home=b"document 7")
-        cached.flights.update(flights)
+        cached.others.update(others)
         return policy.choose(backends, dataclasses.replace(request(), cached=cached)).name
 
     home = place({})
     busy = next(b for b in backends if b.name == home)
     busy.in_flight = 2  # this process's own: more than its share of 3
     assert place({}) != home
-    assert place({b.name: 9 for b in backends}) == home  # every process's: even
-    assert place({**{b.name: 9 for b in backends}, home: 14}) != home
+    even = {b.name: 11 if b is busy else 13 for b in backends}  # 13 each with its own
+    assert place(even) == home
+    assert place({**even, home: 18}) != home  # 20 with its own: the cap is 19
