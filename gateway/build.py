@@ -256,7 +256,6 @@ def _kv(config: Config, role: Role) -> Feeds | Publisher | Mirror | None:
     return Publisher(feeds, processes=processes) if role.kind is Kind.CONTROL else feeds
 
 
-
 def _demand(role: Role, pool: BackendPool, supervisors: dict[str, Supervisor],
             workers: WorkerTable | None, serving: Serving | None,
             metrics: Metrics) -> Demand | None:

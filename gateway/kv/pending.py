@@ -124,7 +124,3 @@ class Pending:
             self._at[name], self._names[at] = at, name
             return at
         return None
-
-    def close(self) -> None:
-        self._cells.release()
-        self._map.close()

@@ -37,14 +37,11 @@ def bounded(key: bytes, candidates: Sequence[Backend], factor: float,
     """``key``'s first backend in rendezvous order that takes no more than ``factor`` x the
     average in flight (counting this request): consistent hashing with bounded load.
     ``others``: the other serving processes' requests in flight, beside this one's own."""
-    if others:
-        load = [b.in_flight + others.get(b.name, 0) for b in candidates]
-    else:
-        load = [b.in_flight for b in candidates]
-    cap = math.ceil((sum(load) + 1) * factor / len(candidates))
+    others = others or {}
+    load = {b.name: b.in_flight + others.get(b.name, 0) for b in candidates}
+    cap = math.ceil((sum(load.values()) + 1) * factor / len(candidates))
     order = ranked(key, candidates)
-    within = {b.name for b, n in zip(candidates, load, strict=True) if n < cap}
-    return next((b for b in order if b.name in within), order[0])
+    return next((b for b in order if load[b.name] < cap), order[0])
 
 
 class PrefixAware:
