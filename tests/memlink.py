@@ -447,8 +447,9 @@ class MemoryLink:
         except ReplyError as exc:
             return exc
 
-    async def execute(self, *commands: Command) -> tuple[bool, list[Any]]:
-        if self.down:
+    async def execute(self, *commands: Command,
+                      patient: bool = False) -> tuple[bool, list[Any]]:
+        if self.down:  # down here is a server that can't be reached: patience fails too
             return False, []
         await asyncio.sleep(0)  # a round trip: callers of one loop turn go together
         if self.down:

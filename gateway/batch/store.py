@@ -75,7 +75,7 @@ class Store:
         return self.dir / name
 
     async def _run(self, *commands: tuple[Any, ...]) -> list[Any]:
-        answered, results = await self._link.execute(*commands)
+        answered, results = await self._link.execute(*commands, patient=True)
         if not answered or any(isinstance(r, Exception) for r in results):
             raise StoreUnavailable("The batch store cannot be reached; try again shortly.")
         return results

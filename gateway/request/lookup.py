@@ -67,7 +67,10 @@ class Lookup:
             asks.append(arms.read(key))
         answered, results = False, list[object]()
         if asks and self._link is not None:
-            answered, results = await self._shielded(asks, admission)
+            # A stored response's retrieval or cancel has no answer without Redis: it asks
+            # even while the link counts as down, rather than answer 503 at once.
+            patient = follows is not None and not model
+            answered, results = await self._shielded(asks, admission, patient)
         told = iter(results)
         if admission is not None:
             self._gate.admit(record, admission, answered, next(told, None))
@@ -79,14 +82,14 @@ class Lookup:
         pin, new = PinStore.answer(held) if not failed else (None, False)
         return Facts(answered and not failed, pin, new, arm=text(arm)), only
 
-    async def _shielded(self, asks: list[Command],
-                        admission: Admission | None) -> tuple[bool, list[object]]:
+    async def _shielded(self, asks: list[Command], admission: Admission | None,
+                        patient: bool) -> tuple[bool, list[object]]:
         """The round trip; a request that leaves while the key's limits are being taken
         gives back what Redis took for it when the answer comes."""
         assert self._link is not None
         if admission is None:
-            return await self._link.execute(*asks)
-        trip = asyncio.ensure_future(self._link.execute(*asks))
+            return await self._link.execute(*asks, patient=patient)
+        trip = asyncio.ensure_future(self._link.execute(*asks, patient=patient))
         try:
             return await asyncio.shield(trip)
         except asyncio.CancelledError:

@@ -160,12 +160,17 @@ class RedisLink:
     def available(self) -> bool:
         return self._opened and (self.up or self._clock() >= self._down_until)
 
-    async def execute(self, *commands: Command) -> tuple[bool, list[Any]]:
+    async def execute(self, *commands: Command,
+                      patient: bool = False) -> tuple[bool, list[Any]]:
         """Run ``commands`` (argument tuples such as ``("GET", key)``, optionally ending in
         a dict of redis-py parser options such as ``{"get": True}``) in the next shared
         pipeline: (True, their results), or (False, []) when Redis can't answer. A result
-        may be an exception instance when only that command failed."""
-        if not self.available:
+        may be an exception instance when only that command failed. ``patient``: sent even
+        while the link counts as down after a failure (a caller off the hot path, such as
+        the batch store, that would rather ask than answer 503 until ``retry_interval``
+        has passed: one late answer on a busy host would fail every such call for that
+        long); its answer brings the link back up."""
+        if not (self.available or (patient and self._opened)):
             return False, []
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Any]] = loop.create_future()

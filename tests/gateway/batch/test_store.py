@@ -99,3 +99,19 @@ def test_an_ended_batch_still_listed_open_gives_its_owners_count_back(
         assert await store.create(record(2, "alice"), 1)
         await link.aclose()
     asyncio.run(main())
+
+
+def test_the_store_still_asks_while_the_link_counts_as_down(server: RedisServer,
+                                                            tmp_path: Path) -> None:
+    """A late answer elsewhere marks the link down for its retry interval (an hour here):
+    the store's calls still go to Redis, instead of answering 503 until then."""
+    async def main() -> None:
+        link = RedisLink(client_for(server), "t:", 3600, Metrics())
+        store = Store(link, str(tmp_path))
+        assert await store.create(record(1, "alice"), 3)
+        link._failed(TimeoutError("late"))  # as the link marks itself after a late answer
+        assert not link.available
+        assert (await store.get("b", f"batch_{1:024x}", None) or {}).get("_owner") == "alice"
+        assert await store.open_batches("alice") == [f"batch_{1:024x}"]
+        await link.aclose()
+    asyncio.run(main())

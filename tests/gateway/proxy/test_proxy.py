@@ -182,11 +182,11 @@ class HeldLink(MemoryLink):
         self.answer = asyncio.Event()
         self.waiting = 0
 
-    async def execute(self, *commands: Any) -> tuple[bool, list[Any]]:
+    async def execute(self, *commands: Any, patient: bool = False) -> tuple[bool, list[Any]]:
         self.waiting += 1
         await self.answer.wait()
         self.waiting -= 1
-        return await super().execute(*commands)
+        return await super().execute(*commands, patient=patient)
 
 
 def sessions(parts: Parts, result: str) -> float:

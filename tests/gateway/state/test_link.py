@@ -124,6 +124,34 @@ def test_a_hung_redis_costs_each_caller_at_most_the_timeout(server: RedisServer)
     assert metrics.redis_up._value.get() == 1
 
 
+def test_a_patient_call_asks_while_the_link_counts_as_down_and_brings_it_back(
+        server: RedisServer) -> None:
+    """One late answer (a stopped server) marks the link down for ``retry_interval``: the
+    hot path answers without Redis meanwhile, but a patient caller (the batch store, a
+    stored response's retrieval) still asks, and its answer brings the link back up."""
+    metrics = Metrics()
+
+    async def main() -> list[tuple[bool, list[object]]]:
+        link = RedisLink(client_for(server), "t:", 3600, metrics, timeout=0.2)
+        assert await link.execute(("SET", "t:k", "v")) == (True, ["OK"])
+        assert server.popen is not None
+        os.kill(server.popen.pid, signal.SIGSTOP)
+        try:
+            late = await link.execute(("GET", "t:k"))
+        finally:
+            os.kill(server.popen.pid, signal.SIGCONT)
+        seen = [late, await link.execute(("GET", "t:k")),
+                await link.execute(("GET", "t:k"), patient=True),
+                await link.execute(("GET", "t:k"))]
+        await link.aclose()
+        return seen
+
+    late, hasty, patient, after = asyncio.run(main())
+    assert late == (False, []) and hasty == (False, [])
+    assert patient == (True, ["v"]) and after == (True, ["v"])
+    assert metrics.redis_up._value.get() == 1
+
+
 def test_a_busy_event_loop_is_not_mistaken_for_a_slow_redis(server: RedisServer) -> None:
     """The loop is blocked for 3x the timeout while a claim waits for its answer (as when a
     burst of requests is being parsed): the answer is in the socket, unread. Counting that

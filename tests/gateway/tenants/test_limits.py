@@ -493,9 +493,9 @@ def test_a_request_that_leaves_while_its_limits_are_taken_gives_its_place_back()
             super().__init__(clock=Clock(NOW))
             self.answer = asyncio.Event()
 
-        async def execute(self, *commands: Any) -> tuple[bool, list[Any]]:
+        async def execute(self, *commands: Any, patient: bool = False) -> tuple[bool, list[Any]]:
             await self.answer.wait()
-            return await super().execute(*commands)
+            return await super().execute(*commands, patient=patient)
 
     async def main() -> int:
         link, metrics = Held(), Metrics()
