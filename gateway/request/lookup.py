@@ -67,10 +67,8 @@ class Lookup:
             asks.append(arms.read(key))
         answered, results = False, list[object]()
         if asks and self._link is not None:
-            # A stored response's retrieval or cancel has no answer without Redis: it asks
-            # even while the link counts as down, rather than answer 503 at once.
-            patient = follows is not None and not model
-            answered, results = await self._shielded(asks, admission, patient)
+            # A retrieval or cancel has no answer without Redis: it asks even when the link is down
+            answered, results = await self._shielded(asks, admission, bool(follows and not model))
         told = iter(results)
         if admission is not None:
             self._gate.admit(record, admission, answered, next(told, None))
