@@ -162,9 +162,27 @@ class Mirror(Known):
         return heard
 
     async def run(self, wanted: Wanted | None = None) -> None:
-        """Follow until cancelled (``wanted`` is the control process's to use)."""
+        """Follow until cancelled (``wanted`` is the control process's to use). The changes
+        are read off a plain socket when its descriptor wakes the loop, every message
+        waiting at once: pyzmq's asyncio socket makes futures and callbacks per message,
+        in each of the workers. Out of step, the socket is left unread (its messages
+        wait) until a whole copy is taken."""
         context = zmq.asyncio.Context.instance()
-        sub = context.socket(zmq.SUB)
+        sub = zmq.Socket(context, zmq.SUB)
+        loop = asyncio.get_running_loop()
+        lost = asyncio.Event()
+        fd = sub.fileno()
+
+        def drain() -> None:
+            while self._seq is not None:
+                try:
+                    frames = sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return  # the descriptor wakes the loop again when more comes
+                self.receive(frames)
+            loop.remove_reader(fd)
+            lost.set()
+
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, HWM)
@@ -174,8 +192,12 @@ class Mirror(Known):
                 if self._seq is None:
                     await self._copy(context)
                     continue
-                self.receive(await sub.recv_multipart())
+                lost.clear()
+                loop.add_reader(fd, drain)
+                drain()  # what came while unwatched: the descriptor only tells of news
+                await lost.wait()
         finally:
+            loop.remove_reader(fd)
             sub.close()
 
     def receive(self, frames: list[bytes]) -> None:
