@@ -227,7 +227,8 @@ class SimApp:
             if opts.prefill_rate:  # the first token after the prefill queued and its own
                 wait = self.prefill.wait(len(prompt) - cached[0], opts.prefill_rate)
                 opts = dataclasses.replace(opts, ttft=opts.ttft + wait)
-            await self._generate(send, body, completion, opts, usage)
+            async with self.lora.slot(completion.model, self.stats):
+                await self._generate(send, body, completion, opts, usage)
         except asyncio.CancelledError:
             self.stats.cancelled += 1
             task = asyncio.current_task()
@@ -240,7 +241,6 @@ class SimApp:
     async def _generate(self, send: Send, body: dict[str, Any], completion: Completion,
                         opts: SimOptions, usage: bool) -> None:
         self.stats.running += 1
-        self.lora.running[completion.model] += 1
         self.stats.peak = max(self.stats.peak, self.stats.running)
         self.stats.started += 1
         try:
@@ -254,7 +254,6 @@ class SimApp:
             self.stats.completed += 1
         finally:
             self.stats.running -= 1
-            self.lora.running[completion.model] -= 1
             if self._slots is not None:
                 self._slots.release()
 

@@ -12,8 +12,11 @@
 - ``/v1/models`` lists each loaded adapter after the base models: ``root`` its path,
   ``parent`` the base model; a request names an adapter as its ``model``.
 - ``vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}``: a
-  gauge whose labels name the adapters of the requests running (comma separated), its
-  value the time it was set.
+  gauge whose labels name the adapters of the requests running and waiting (comma
+  separated), its value the time it was set.
+- A batch runs at most ``--max-loras`` adapters at once: the scheduler leaves a request
+  whose adapter would be one more in the waiting queue (``vllm/v1/core/sched/scheduler.py``)
+  until a running adapter's last request ends (``Lora.slot``).
 
 An adapter's answers differ from the base model's and from every other adapter's (its
 tokens are shifted by a number drawn from its name), as a random-weight adapter's do.
@@ -22,10 +25,12 @@ tokens are shifted by a number drawn from its name), as a random-weight adapter'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import zlib
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -44,6 +49,8 @@ class Lora:
         self.bases = bases
         self.loaded: dict[str, str] = {}  # name -> path, in load order
         self.running: Counter[str] = Counter()
+        self.waiting: Counter[str] = Counter()  # requests waiting for a batch slot
+        self._turn = asyncio.Condition()
         self.loads = 0  # load requests, refused ones too
 
     def routes(self) -> dict[str, tuple[str, Any]]:
@@ -61,13 +68,44 @@ class Lora:
                  "root": path, "parent": self.bases[0], "max_model_len": None}
                 for name, path in self.loaded.items()]
 
+    def _fits(self, model: str) -> bool:
+        """A request for ``model`` may join the batch: a base model, or an adapter that
+        runs already or finds a free slot."""
+        if model not in self.loaded:
+            return True
+        busy = sum(1 for name, c in self.running.items() if c > 0 and name in self.loaded)
+        return self.running[model] > 0 or busy < self.max_loras
+
+    @contextlib.asynccontextmanager
+    async def slot(self, model: str, waited: Any) -> AsyncIterator[None]:
+        """Held while a request for ``model`` generates; waits first (counted in
+        ``waited.waiting``, vLLM's waiting queue) while its adapter finds no batch slot."""
+        async with self._turn:
+            if not self._fits(model):
+                self.waiting[model] += 1
+                waited.waiting += 1
+                try:
+                    await self._turn.wait_for(lambda: self._fits(model))
+                finally:
+                    self.waiting[model] -= 1
+                    waited.waiting -= 1
+            self.running[model] += 1
+        try:
+            yield
+        finally:
+            self.running[model] -= 1
+            if not self.running[model]:
+                async with self._turn:
+                    self._turn.notify_all()
+
     def metrics(self) -> str:
         if not self.enabled:
             return ""
-        running = ",".join(sorted(n for n, c in self.running.items() if c > 0))
+        running, waiting = (",".join(sorted(n for n, c in count.items() if c > 0 and n in
+                                            self.loaded)) for count in (self.running, self.waiting))
         return ("# TYPE vllm:lora_requests_info gauge\n"
                 f'vllm:lora_requests_info{{max_lora="{self.max_loras}",running_lora_adapters='
-                f'"{running}",waiting_lora_adapters=""}} {time.time()}\n')
+                f'"{running}",waiting_lora_adapters="{waiting}"}} {time.time()}\n')
 
     async def _fields(self, receive: Receive, send: Send) -> dict[str, Any] | None:
         try:

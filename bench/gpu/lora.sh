@@ -16,7 +16,8 @@
 #
 # SECONDS_PER_ARM (180), RATE (8 req/s), MAX_TOKENS (64), ADAPTERS (16), GATEWAY_SRC
 # (default: this checkout), OUT. SIM=1: simulators with LoRA (a 0.2 s load) instead of
-# vLLM, to check the flow on a machine without a GPU.
+# vLLM, to check the flow on a machine without a GPU (SIM_ITL: seconds per token, 0.01;
+# a batch runs at most --max-loras adapters, others wait, as in vLLM's scheduler).
 # URLS="http://127.0.0.1:8001 ...": instances already running (with LoRA and
 # VLLM_ALLOW_RUNTIME_LORA_UPDATING, serving BASE: `test` for cache_routing.sh's with
 # LORA=1; default `base`), as url backends with `lora = true`:
@@ -81,7 +82,7 @@ config() {  # arm
     if [ -n "${SIM:-}" ]; then
       printf 'model = "base"\ncommand = ["{python}", "-m", "gateway", "sim", "--port", "{port}", '
       printf '"--model", "{served_model_name}", "--enable-lora", "--max-loras", "2", '
-      printf '"--lora-load-delay", "0.2", "--ttft", "0.02"]\n'
+      printf '"--lora-load-delay", "0.2", "--ttft", "0.02", "--itl", "%s"]\n' "${SIM_ITL:-0.01}"
     else
       printf 'model = "%s/model"\ngpus = [0]\n' "$W"
       printf 'args = ["--gpu-memory-utilization", "%s", "--enforce-eager", "--max-model-len", "4096"]\n' \
