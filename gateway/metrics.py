@@ -129,7 +129,8 @@ class Metrics:
         # LoRA adapters (issue 41): adapter names are the configured ones only.
         self.adapter_loads = counter(
             "gateway_adapter_loads_total", "LoRA adapter loads the gateway asked of an "
-            "instance, by result: loaded, refused (vLLM answered an error), failed (no answer)",
+            "instance, by result: loaded, present (another worker had loaded it), refused (vLLM "
+            "answered an error), failed (no answer)",
             ("backend", "adapter", "result"))
         self.adapter_unloads = counter(
             "gateway_adapter_unloads_total", "LoRA adapters a reload removed, unloaded "
