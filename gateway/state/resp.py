@@ -109,9 +109,13 @@ class Resp:
         return self._conn is not None and self._conn.lost is None
 
     def send(self, commands: Sequence[Command]) -> asyncio.Future[list[Any]]:
-        """The batch written (``connected`` must hold); its future has the replies (an error
-        reply as an exception instance) or the connection's failure."""
-        assert self._conn is not None
+        """The batch written; its future has the replies (an error reply as an exception
+        instance) or the connection's failure. Not connected (another batch's overdue
+        reply dropped the connection while this one waited for it): a ConnectionError."""
+        if self._conn is None:
+            future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+            future.set_exception(ConnectionError("not connected"))
+            return future
         return self._conn.send(commands)
 
     async def connect(self) -> _Protocol:
